@@ -1,0 +1,31 @@
+"""Hypothesis strategies for placements, layouts, shapes and meshes."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from tpfn.layout import REDUCE_OPS, Partial, Replicate, Shard
+
+
+def placements(ndim: int = 3, ops=REDUCE_OPS):
+    """Any placement of a tensor with ``ndim`` dims (negative shard dims included)."""
+    return st.one_of(
+        st.builds(Shard, st.integers(-ndim, ndim - 1)),
+        st.just(Replicate()),
+        st.builds(Partial, st.sampled_from(ops)),
+    )
+
+
+@st.composite
+def layouts(draw, mesh_ndim: int, ndim: int = 3):
+    """A layout for ``mesh_ndim`` mesh dims that uses at most one Partial reduction."""
+    op = draw(st.sampled_from(REDUCE_OPS))
+    return tuple(draw(placements(ndim, ops=(op,))) for _ in range(mesh_ndim))
+
+
+@st.composite
+def setups(draw, max_mesh_ndim: int = 3):
+    """(global shape, mesh shape) with uneven sizes likely."""
+    mesh_shape = tuple(draw(st.lists(st.integers(2, 4), min_size=1, max_size=max_mesh_ndim)))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    return shape, mesh_shape

@@ -1,0 +1,97 @@
+"""A virtual mesh in one process: what every rank holds, and what each algebra step does to it.
+
+An independent model of the semantics the algebra predicts: a distributed tensor is a dict
+from mesh coordinate to local tensor. ``scatter`` lays a global tensor out (``torch.chunk``
+for shards, random terms for partials), ``execute`` runs algebra steps on every rank at
+once, ``gather`` reassembles the global value.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tpfn.algebra import AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, transition
+from tpfn.layout import Partial, Replicate, Shard, normalize
+
+
+def chunks(t: torch.Tensor, dim: int, k: int) -> list:
+    """``torch.chunk`` padded with empty chunks to exactly ``k`` (DTensor's split)."""
+    parts = list(torch.chunk(t, k, dim)) if t.size(dim) else []
+    empty = t.narrow(dim, 0, 0)
+    return parts + [empty] * (k - len(parts))
+
+
+def _terms(t: torch.Tensor, op: str, k: int, gen: torch.Generator) -> list:
+    """``k`` tensors whose reduction by ``op`` is exactly ``t`` (t holds small integers)."""
+    noise = [torch.randint(-3, 4, t.shape, generator=gen).to(t.dtype) for _ in range(k)]
+    if op == "sum":
+        return noise[:-1] + [t - sum(noise[:-1], torch.zeros_like(t))]
+    if op == "avg":
+        return noise[:-1] + [t * k - sum(noise[:-1], torch.zeros_like(t))]
+    sign = -1 if op == "max" else 1
+    return [t] + [t + sign * n.abs() for n in noise[1:]]
+
+
+def scatter(t: torch.Tensor, layout, mesh_shape, seed: int = 0) -> dict:
+    """Every coordinate's local tensor for global ``t`` laid out by ``layout``."""
+    gen = torch.Generator().manual_seed(seed)
+    held = {(): t}
+    for p, k in zip(normalize(layout, t.dim()), mesh_shape):
+        nxt = {}
+        for coord, local in held.items():
+            if isinstance(p, Shard):
+                parts = chunks(local, p.dim, k)
+            elif isinstance(p, Partial):
+                parts = _terms(local, p.op, k, gen)
+            else:
+                parts = [local.clone() for _ in range(k)]
+            nxt.update({coord + (c,): part for c, part in enumerate(parts)})
+        held = nxt
+    return held
+
+
+def _reduce(ts: list, op: str) -> torch.Tensor:
+    stacked = torch.stack(ts)
+    return {"sum": stacked.sum(0), "avg": stacked.mean(0),
+            "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+
+
+def _run_step(step, group: list) -> list:
+    """The local tensors of one mesh-dim group (ordered by coordinate) after ``step``."""
+    k = len(group)
+    if isinstance(step, AllGather):
+        return [torch.cat(group, step.dim)] * k
+    if isinstance(step, AllReduce):
+        return [_reduce(group, step.op)] * k
+    if isinstance(step, ReduceScatter):
+        return chunks(_reduce(group, step.op), step.dim, k)
+    if isinstance(step, AllToAll):
+        return chunks(torch.cat(group, step.src_dim), step.dst_dim, k)
+    if isinstance(step, Chunk):
+        return [chunks(t, step.dim, k)[c] for c, t in enumerate(group)]
+    raise TypeError(f"not a step: {step!r}")
+
+
+def execute(steps, held: dict, mesh_shape) -> dict:
+    """Run ``steps`` on every coordinate at once."""
+    held = dict(held)
+    for step in steps:
+        i = step.mesh_dim
+        rest = [range(k) for j, k in enumerate(mesh_shape) if j != i]
+        for other in itertools.product(*rest):
+            coords = [other[:i] + (c,) + other[i:] for c in range(mesh_shape[i])]
+            for coord, out in zip(coords, _run_step(step, [held[c] for c in coords])):
+                held[coord] = out
+    return held
+
+
+def gather(held: dict, layout, mesh_shape) -> torch.Tensor:
+    """The global value: replicate on every mesh dim, check all ranks agree, return it."""
+    ndim = next(iter(held.values())).dim()
+    full = execute(transition(layout, (Replicate(),) * len(mesh_shape), ndim=ndim), held, mesh_shape)
+    values = list(full.values())
+    for v in values[1:]:
+        torch.testing.assert_close(v, values[0], msg="ranks disagree after replicating")
+    return values[0]

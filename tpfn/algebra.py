@@ -1,0 +1,335 @@
+"""The layout algebra: which collectives turn one layout into another, what each rank holds, what it costs.
+
+Pure functions over layouts and shapes; no process group is involved.
+
+- ``transition(src, dst)``: the program of steps that turns ``src`` into ``dst``, in the
+  order DTensor's ``redistribute`` executes them. The empty program ``()`` is the identity.
+- ``pullback(src, dst, grad)``: the program that the backward of that transition runs on a
+  gradient that arrives with layout ``grad``.
+- ``local_shape(global_shape, layout, mesh_shape, coord)``: the shape one rank holds
+  (``torch.chunk``'s uneven rule), for ints and sympy expressions.
+- ``comm_bytes(steps, global_shape, mesh_shape, itemsize)``: bytes each rank sends, as a
+  sympy expression, under the ring model.
+
+>>> transition(Shard(0), Replicate())
+(AllGather(dim=0),)
+>>> transition(Partial(), Shard(1))
+(ReduceScatter(dim=1),)
+>>> transition(Replicate(), Replicate())
+()
+>>> local_shape((7, 4), Shard(0), (2,), (1,))
+(3, 4)
+>>> comm_bytes(transition(Partial(), Replicate()), (1024,), (4,), itemsize=2)
+3072
+"""
+
+from __future__ import annotations
+
+import attrs
+import sympy
+
+from tpfn.layout import Partial, Replicate, Shard, as_layout, normalize
+
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "ReduceScatter",
+    "AllToAll",
+    "Chunk",
+    "Step",
+    "transition",
+    "pullback",
+    "cotangent",
+    "local_shape",
+    "comm_bytes",
+    "check_layout",
+]
+
+
+def _short_repr(self) -> str:
+    """The constructor call, leaving out fields at their default value."""
+    parts = []
+    for a in attrs.fields(type(self)):
+        value = getattr(self, a.name)
+        if a.default is attrs.NOTHING or value != a.default:
+            parts.append(f"{a.name}={value!r}")
+    return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _step(cls):
+    cls.__repr__ = _short_repr
+    return attrs.frozen(slots=True, repr=False)(cls)
+
+
+# Every step acts on one mesh dimension, turning placement ``src`` into ``dst`` there;
+# ``collective`` names what it runs (None: local). ``sharded_by`` lists the *other* mesh
+# dimensions that shard the tensor while the step runs: the collective sees 1/prod(their
+# sizes) of it.
+
+
+@_step
+class AllGather:
+    """``Shard(dim) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk."""
+
+    dim: int
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = "all_gather"
+    src = property(lambda self: Shard(self.dim))
+    dst = property(lambda self: Replicate())
+
+
+@_step
+class AllReduce:
+    """``Partial(op) -> Replicate()`` on ``mesh_dim``: every rank receives the reduction."""
+
+    op: str = "sum"
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = "all_reduce"
+    src = property(lambda self: Partial(self.op))
+    dst = property(lambda self: Replicate())
+
+
+@_step
+class ReduceScatter:
+    """``Partial(op) -> Shard(dim)`` on ``mesh_dim``: every rank receives its chunk of the reduction."""
+
+    dim: int
+    op: str = "sum"
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = "reduce_scatter"
+    src = property(lambda self: Partial(self.op))
+    dst = property(lambda self: Shard(self.dim))
+
+
+@_step
+class AllToAll:
+    """``Shard(src_dim) -> Shard(dst_dim)`` on ``mesh_dim``: every rank trades chunks with every other."""
+
+    src_dim: int
+    dst_dim: int
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = "all_to_all"
+    src = property(lambda self: Shard(self.src_dim))
+    dst = property(lambda self: Shard(self.dst_dim))
+
+
+@_step
+class Chunk:
+    """``Replicate() -> Shard(dim)`` on ``mesh_dim``: every rank keeps its own chunk; no communication."""
+
+    dim: int
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = None
+    src = property(lambda self: Replicate())
+    dst = property(lambda self: Shard(self.dim))
+
+
+Step = (AllGather, AllReduce, ReduceScatter, AllToAll, Chunk)
+
+
+def check_layout(layout, *, name: str = "layout") -> tuple:
+    """The layout as a tuple, rejecting one that mixes reductions (DTensor rejects them too).
+
+    >>> check_layout((Partial("sum"), Partial("max")))
+    Traceback (most recent call last):
+    ...
+    ValueError: 'layout' mixes Partial reductions (Partial(op='sum'), Partial(op='max')): the order of a sum and a max matters, so DTensor rejects it; reduce one mesh dim first.
+    """
+    layout = as_layout(layout, name=name)
+    ops = {p.op for p in layout if isinstance(p, Partial)}
+    if len(ops) > 1:
+        raise ValueError(
+            f"'{name}' mixes Partial reductions {layout}: the order of a "
+            f"{' and a '.join(sorted(ops, reverse=True))} matters, so DTensor rejects it; "
+            "reduce one mesh dim first."
+        )
+    return layout
+
+
+def _check_legal(src: tuple, dst: tuple) -> None:
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if isinstance(d, Partial) and not isinstance(s, Partial):
+            raise ValueError(
+                f"no transition turns {s!r} into {d!r} on mesh dim {i}: Partial values arise "
+                "only from computation (e.g. a matmul over a sharded dim); redistribution "
+                "reduces them but never creates them. Ask for Replicate() or Shard(dim) instead."
+            )
+        if isinstance(d, Partial) and s != d:
+            raise ValueError(
+                f"no transition turns {s!r} into {d!r} on mesh dim {i}: terms pending a "
+                f"'{s.op}' reduction are not terms of a '{d.op}' reduction. Reduce first "
+                "(to Replicate() or Shard(dim))."
+            )
+
+
+def _make_step(current: tuple, mesh_dim: int, target):
+    cur = current[mesh_dim]
+    others = tuple(j for j, p in enumerate(current) if j != mesh_dim and isinstance(p, Shard))
+    where = dict(mesh_dim=mesh_dim, sharded_by=others)
+    if isinstance(target, Replicate):
+        if isinstance(cur, Partial):
+            return AllReduce(op=cur.op, **where)
+        return AllGather(dim=cur.dim, **where)
+    if isinstance(cur, Partial):
+        return ReduceScatter(dim=target.dim, op=cur.op, **where)
+    if isinstance(cur, Replicate):
+        return Chunk(dim=target.dim, **where)
+    return AllToAll(src_dim=cur.dim, dst_dim=target.dim, **where)
+
+
+def transition(src, dst, *, ndim: int | None = None) -> tuple:
+    """The steps that turn layout ``src`` into layout ``dst``, in execution order.
+
+    Mirrors DTensor's ``redistribute``: on an N-D mesh, a tensor dim sharded on several mesh
+    dims in a different nesting is first replicated from the innermost mesh dim outwards,
+    then re-sharded from the outermost inwards. ``ndim``, when given, normalizes negative
+    shard dims first (``Shard(-1)`` and ``Shard(1)`` are one placement of a 2-D tensor).
+
+    >>> transition((Shard(0), Shard(0)), (Replicate(), Shard(0)))
+    (AllGather(dim=0, mesh_dim=1, sharded_by=(0,)), AllGather(dim=0), Chunk(dim=0, mesh_dim=1))
+    >>> transition(Replicate(), Partial())
+    Traceback (most recent call last):
+    ...
+    ValueError: no transition turns Replicate() into Partial(op='sum') on mesh dim 0: Partial values arise only from computation (e.g. a matmul over a sharded dim); redistribution reduces them but never creates them. Ask for Replicate() or Shard(dim) instead.
+    """
+    src, dst = check_layout(src, name="src"), check_layout(dst, name="dst")
+    if len(src) != len(dst):
+        raise ValueError(
+            f"src {src} and dst {dst} are layouts of different meshes ({len(src)}-D and "
+            f"{len(dst)}-D): give one placement per mesh dim in both."
+        )
+    if ndim is not None:
+        src, dst = normalize(src, ndim), normalize(dst, ndim)
+    _check_legal(src, dst)
+    current = list(src)
+    steps = []
+
+    def move(mesh_dim, target):
+        if current[mesh_dim] != target:
+            steps.append(_make_step(tuple(current), mesh_dim, target))
+            current[mesh_dim] = target
+
+    if any(isinstance(p, Shard) for p in src) and len(src) > 1:
+        for i in reversed(range(len(src))):
+            target = dst[i]
+            if isinstance(target, Shard):
+                before = range(i)
+                if [j for j in before if current[j] == target] != [
+                    j for j in before if dst[j] == target
+                ]:
+                    target = Replicate()
+            move(i, target)
+    for i in range(len(src)):
+        move(i, dst[i])
+    return tuple(steps)
+
+
+def cotangent(layout) -> tuple:
+    """The layout a gradient takes back to a tensor laid out as ``layout``: Partial becomes Replicate.
+
+    Each term of a reduction receives the whole gradient, as DTensor's ``from_local`` backward
+    gives it; shards and replicas keep their placement.
+
+    >>> cotangent((Partial(), Shard(0)))
+    (Replicate(), Shard(dim=0))
+    """
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in check_layout(layout))
+
+
+def pullback(src, dst, grad=None, *, ndim: int | None = None) -> tuple:
+    """The steps the backward of ``transition(src, dst)`` runs on a gradient with layout ``grad``.
+
+    The gradient travels from ``grad`` (by default ``dst``) to ``cotangent(src)``. This is the
+    duality law: with a Partial gradient, an all-gather pulls back to a reduce-scatter; a local
+    chunk pulls back to an all-gather; an all-reduce pulls back to nothing.
+
+    >>> pullback(Shard(1), Replicate(), grad=Partial())
+    (ReduceScatter(dim=1),)
+    >>> pullback(Replicate(), Shard(0))
+    (AllGather(dim=0),)
+    >>> pullback(Partial(), Replicate())
+    ()
+    """
+    grad = dst if grad is None else grad
+    return transition(grad, cotangent(src), ndim=ndim)
+
+
+def _is_symbolic(*values) -> bool:
+    return any(isinstance(v, sympy.Basic) for v in values)
+
+
+def _chunk_size(n, k, c):
+    """Size of chunk ``c`` when ``torch.chunk`` splits ``n`` into ``k`` chunks."""
+    if not _is_symbolic(n, k, c):
+        q = -(-n // k)
+        return max(0, min(n, (c + 1) * q) - c * q)
+    n, k, c = sympy.sympify(n), sympy.sympify(k), sympy.sympify(c)
+    if (n / k).is_integer:
+        return n / k
+    q = sympy.ceiling(n / k)
+    return sympy.Max(0, sympy.Min(n, (c + 1) * q) - c * q)
+
+
+def local_shape(global_shape, layout, mesh_shape, coord) -> tuple:
+    """The shape of the tensor held at mesh coordinate ``coord``.
+
+    Mesh dims apply in order, each splitting what the previous ones left by
+    ``torch.chunk``'s rule (chunks of ``ceil(n / k)``, the last ones smaller or empty),
+    as DTensor does. Sizes, mesh sizes and coordinates may be sympy expressions.
+
+    >>> local_shape((7,), Shard(0), (4,), (3,))
+    (1,)
+    >>> import sympy
+    >>> s = sympy.Symbol("s", positive=True, integer=True)
+    >>> local_shape((8 * s, 16), (Shard(0), Shard(1)), (2, 4), (0, 1))
+    (4*s, 4)
+    """
+    layout = check_layout(layout)
+    shape = list(global_shape)
+    if not len(layout) == len(mesh_shape) == len(coord):
+        raise ValueError(
+            f"layout {layout}, mesh_shape {tuple(mesh_shape)} and coord {tuple(coord)} "
+            "must have one entry per mesh dim each."
+        )
+    for p, k, c in zip(normalize(layout, len(shape)), mesh_shape, coord):
+        if isinstance(p, Shard):
+            shape[p.dim] = _chunk_size(shape[p.dim], k, c)
+    return tuple(shape)
+
+
+_RING = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n / n,
+}
+
+
+def comm_bytes(steps, global_shape, mesh_shape, itemsize) -> sympy.Expr:
+    """Bytes each rank sends to run ``steps``, as a sympy expression (ring model).
+
+    With ``T`` the bytes of the tensor a collective assembles (the global tensor divided by
+    the mesh dims that shard it besides the step's own) and ``n`` the size of the step's
+    mesh dim: all-gather and reduce-scatter send ``(n-1)/n * T``, all-reduce ``2(n-1)/n * T``,
+    all-to-all ``(n-1)/n`` of the local tensor ``T/n``; a local chunk sends nothing.
+    Uneven shards count at their nominal ``T/n``.
+
+    >>> import sympy
+    >>> b, s, h, t = sympy.symbols("b s h t", positive=True)
+    >>> comm_bytes(transition(Partial(), Replicate()), (b, s, h), (t,), 2)
+    4*b*h*s*(t - 1)/t
+    """
+    numel = sympy.Mul(*map(sympy.sympify, global_shape))
+    total = sympy.Integer(0)
+    for step in steps:
+        if step.collective is None:
+            continue
+        n = sympy.sympify(mesh_shape[step.mesh_dim])
+        divisor = sympy.Mul(*(sympy.sympify(mesh_shape[j]) for j in step.sharded_by))
+        total += _RING[step.collective](n) * numel / divisor * itemsize
+    return sympy.factor(total) if total.free_symbols else total
