@@ -144,7 +144,7 @@ class Ranks:
                     del pending[rank]
                     try:
                         status, value = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         status, value = "error", f"rank {rank} died:\n{self._log_tail(rank)}"
                     if status == "ok":
                         results[rank] = value

@@ -1,6 +1,33 @@
-"""tpfn: tensor parallelism for PyTorch as a small functional language."""
+"""tpfn: tensor parallelism for PyTorch as a small functional language.
 
-from tpfn import algebra
+Layouts (``Shard``, ``Replicate``, ``Partial``), styles composed with ``>>``, plans from
+module FQN patterns to styles, and one interpreter, ``parallelize``.
+"""
+
+from tpfn import algebra, trace
+from tpfn.errors import LayoutError, PlanError, StyleError
+from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
+from tpfn.interpret import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
+from tpfn.plan import Plan, plan, resolve
+from tpfn.style import (
+    Style,
+    colwise,
+    identity,
+    params,
+    prepare_in,
+    prepare_out,
+    replicate,
+    rowwise,
+    sequence_parallel,
+)
 
-__all__ = ["Shard", "Replicate", "Partial", "to_torch", "from_torch", "algebra"]
+__all__ = [
+    "Shard", "Replicate", "Partial", "to_torch", "from_torch",
+    "Style", "colwise", "rowwise", "sequence_parallel", "replicate", "params",
+    "prepare_in", "prepare_out", "identity",
+    "Plan", "plan", "resolve",
+    "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
+    "PlanError", "LayoutError", "StyleError",
+    "algebra", "trace",
+]

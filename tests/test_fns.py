@@ -1,0 +1,46 @@
+"""The three functions are pure: they build new values and leave their arguments alone."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor import Shard as TShard
+
+from tests.ranks import mesh
+from tpfn import Replicate, Shard, prepare_inputs, prepare_outputs, shard_params
+from tpfn.bind import InputSpec, OutputSpec
+from tpfn.style import Slot
+
+
+def _pure():
+    m = mesh(2)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 6)
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    new = shard_params(lin, m, {"weight": Shard(0), "bias": Replicate()})
+    assert set(new) == {"weight", "bias"} and isinstance(new["weight"], nn.Parameter)
+    assert new["weight"].placements == (TShard(0),) and new["bias"].placements == (TReplicate(),)
+    assert torch.equal(new["weight"].to_local(), before["weight"].chunk(2)[rank])
+    assert not isinstance(lin.weight, DTensor)
+    assert all(torch.equal(v, before[k]) for k, v in lin.state_dict().items())
+
+    x = torch.arange(8.0).reshape(2, 4)
+    args, kwargs = [x, "keep"], {"y": x}
+    spec = InputSpec(slots=(Slot(Shard(0), Replicate()),), kwargs=(("y", Slot(Replicate())),),
+                     local=True)
+    new_args, new_kwargs = prepare_inputs(tuple(args), kwargs, spec, m)
+    assert args == [x, "keep"] and kwargs == {"y": x}
+    assert new_args[1] == "keep" and new_args[0].shape == (4, 4)
+    assert isinstance(new_kwargs["y"], torch.Tensor) and new_kwargs["y"] is not kwargs["y"]
+
+    outputs = [x, x]
+    out = prepare_outputs(outputs, OutputSpec(slots=(Slot(Replicate(), Shard(1)),), local=False), m)
+    assert outputs == [x, x] and out is not outputs
+    assert isinstance(out[0], DTensor) and out[0].placements == (TShard(1),) and out[1] is x
+    return True
+
+
+def test_shard_params_prepare_inputs_and_prepare_outputs_are_pure(ranks2):
+    assert all(ranks2.run(_pure))

@@ -1,0 +1,26 @@
+"""The errors tpfn raises beyond TypeError and ValueError of bad arguments."""
+
+from __future__ import annotations
+
+__all__ = ["PlanError", "LayoutError", "StyleError"]
+
+
+class StyleError(ValueError):
+    """A composition of styles that cannot mean anything (e.g. inputs prepared after the compute)."""
+
+
+class PlanError(ValueError):
+    """Every problem found while resolving a plan against a module, reported at once.
+
+    ``problems`` holds one line per problem; nothing was changed when this is raised.
+    """
+
+    def __init__(self, problems: list):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        n = len(self.problems)
+        super().__init__(f"the plan cannot be applied ({n} problem{'s' * (n != 1)}):\n{lines}")
+
+
+class LayoutError(ValueError):
+    """A tensor reached a module slot in a layout other than the one the plan declares."""

@@ -1,0 +1,176 @@
+"""The three functions that do the work: shard parameters, prepare inputs, prepare outputs.
+
+None of them mutates its arguments; ``parallelize`` mounts them on modules.
+
+- ``shard_params(module, mesh, rule)``: ``{name: nn.Parameter(DTensor)}`` for the named
+  parameters of ``module``, each laid out as ``rule`` says.
+- ``prepare_inputs(args, kwargs, spec, mesh)``: the inputs annotated with their given layout,
+  redistributed to the desired one, as local tensors or DTensors.
+- ``prepare_outputs(outputs, spec, mesh)``: the same for a module's outputs (a tensor, the
+  items of a tuple or list, the values of a dict).
+
+A local tensor that leaves a slot sharded remembers its global shape (keyed by its local
+shape and layout), so a sequence the mesh does not divide keeps its length when the next
+module annotates it again (PyTorch infers an even split there, torchtitan#1306).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tpfn.bind import InputSpec, OutputSpec
+from tpfn.errors import LayoutError
+from tpfn.layout import from_torch, normalize, to_torch
+
+__all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
+
+
+def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 0) -> dict:
+    """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout map).
+
+    Dotted names reach into submodules. ``src_rank`` is the rank whose values every rank
+    receives (``None``: each rank keeps its own values, no communication). A parameter that
+    is already a DTensor with that layout on ``mesh`` is returned as it is.
+    """
+    out = {}
+    for name, layout in rule.items():
+        param = module.get_parameter(name)
+        placements = to_torch(layout)
+        if isinstance(param, DTensor):
+            if param.device_mesh != mesh or param.placements != placements:
+                raise LayoutError(
+                    f"parameter {name!r} is already a DTensor laid out {from_torch(param.placements)} "
+                    f"on {param.device_mesh}; it cannot also be {layout!r} on {mesh}."
+                )
+            out[name] = param
+            continue
+        dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_rank)
+        out[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+    return out
+
+
+class _Shapes:
+    """Global shapes of sharded local tensors that left a slot, keyed by local shape and layout."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.table = size, collections.OrderedDict()
+
+    @staticmethod
+    def _key(shape, placements, mesh):
+        return tuple(shape), placements, id(mesh)
+
+    def remember(self, local: torch.Tensor, dt: DTensor) -> None:
+        if any(p.is_shard() for p in dt.placements):
+            key = self._key(local.shape, dt.placements, dt.device_mesh)
+            self.table[key] = dt.shape
+            self.table.move_to_end(key)
+            while len(self.table) > self.size:
+                self.table.popitem(last=False)
+
+    def recall(self, local: torch.Tensor, placements, mesh):
+        return self.table.get(self._key(local.shape, placements, mesh))
+
+
+_SHAPES = _Shapes()
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _convert(x, slot, mesh, local: bool, what: str):
+    """One input or output through its slot."""
+    if x is None or slot.untouched:
+        return x
+    if isinstance(x, DTensor):
+        ndim = x.ndim
+        current = normalize(from_torch(x.placements), ndim)
+        if x.device_mesh != mesh:
+            raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}.")
+        if slot.given is not None and current != normalize(slot.given, ndim):
+            raise LayoutError(
+                f"{what} arrives laid out {current[0]!r} but the plan declares {slot.given!r}; "
+                f"declare {current[0]!r} there, or redistribute it before the call."
+            )
+        dt = x
+    elif isinstance(x, torch.Tensor):
+        ndim = x.ndim
+        current = normalize(slot.given if slot.given is not None else slot.desired, ndim)
+        placements = to_torch(current)
+        shape = _SHAPES.recall(x, placements, mesh)
+        dt = DTensor.from_local(
+            x, mesh, placements, run_check=False,
+            shape=shape, stride=None if shape is None else _contiguous_strides(shape),
+        )
+    else:
+        raise TypeError(
+            f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor; mark it None "
+            "to leave it alone."
+        )
+    if slot.desired is not None:
+        wanted = normalize(slot.desired, ndim)
+        if wanted != current:
+            dt = dt.redistribute(mesh, to_torch(wanted), async_op=True)
+    if not local:
+        return dt
+    out = dt.to_local()
+    _SHAPES.remember(out, dt)
+    return out
+
+
+def prepare_inputs(args: tuple, kwargs: dict, spec: InputSpec, mesh) -> tuple:
+    """``(args, kwargs)`` with every input that ``spec`` names converted (new containers)."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, slot in enumerate(spec.slots):
+        what = f"input {i} of {spec.where}"
+        if i < len(args):
+            args[i] = _convert(args[i], slot, mesh, spec.local, what)
+        elif i < len(spec.names) and spec.names[i] in kwargs:
+            name = spec.names[i]
+            kwargs[name] = _convert(kwargs[name], slot, mesh, spec.local, what)
+    for name, slot in spec.kwargs:
+        if name in kwargs:
+            kwargs[name] = _convert(kwargs[name], slot, mesh, spec.local,
+                                    f"keyword input {name!r} of {spec.where}")
+    return tuple(args), kwargs
+
+
+def prepare_outputs(outputs, spec: OutputSpec, mesh):
+    """``outputs`` with every output that ``spec`` names converted (a new container)."""
+    if isinstance(outputs, dict):
+        out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)
+        names = list(out)
+        if len(spec.slots) > len(names):
+            raise LayoutError(f"{spec.where} returned {len(names)} outputs; the plan prepares "
+                              f"{len(spec.slots)}.")
+        for i, slot in enumerate(spec.slots):
+            out[names[i]] = _convert(out[names[i]], slot, mesh, spec.local, f"output {i} of {spec.where}")
+        for key, slot in spec.keys:
+            if key in out:
+                out[key] = _convert(out[key], slot, mesh, spec.local,
+                                    f"output {key!r} of {spec.where}")
+        return out
+    if isinstance(outputs, (tuple, list)):
+        if len(spec.slots) > len(outputs):
+            raise LayoutError(f"{spec.where} returned {len(outputs)} outputs; the plan prepares "
+                              f"{len(spec.slots)}.")
+        items = list(outputs)
+        for i, slot in enumerate(spec.slots):
+            items[i] = _convert(items[i], slot, mesh, spec.local, f"output {i} of {spec.where}")
+        if isinstance(outputs, list):
+            return items
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+    if len(spec.slots) > 1:
+        raise LayoutError(f"{spec.where} returned one output; the plan prepares {len(spec.slots)}.")
+    if not spec.slots:
+        return outputs
+    return _convert(outputs, spec.slots[0], mesh, spec.local, f"the output of {spec.where}")
+

@@ -1,0 +1,134 @@
+"""``parallelize``: the one place with side effects.
+
+It resolves the plan and binds every style first (pure; any problem raises one
+``PlanError`` and leaves the module untouched), builds the DTensor parameters (the only
+communication), and only then swaps the parameters in and mounts the hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tpfn.bind import bind, describe
+from tpfn.errors import PlanError
+from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
+from tpfn.layout import from_torch
+from tpfn.plan import resolve
+
+__all__ = ["parallelize", "mounted"]
+
+_MOUNTED: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def mounted(module: nn.Module):
+    """The ``Mount`` that ``parallelize`` put on ``module``, or None."""
+    return _MOUNTED.get(module)
+
+
+def _check_mesh(mesh, src_rank) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)) "
+            f"(got {mesh!r} that is a {type(mesh)!r})."
+        )
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        hint = f"mesh[{names[-1]!r}]" if names else "mesh['tp'] (name the dims with mesh_dim_names)"
+        raise ValueError(
+            f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}."
+        )
+    if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
+                                 or not 0 <= src_rank < mesh.size()):
+        raise ValueError(f"'src_rank' must be a rank of the mesh (0..{mesh.size() - 1}) or None "
+                         f"(got {src_rank!r}).")
+
+
+def _placements(module: nn.Module, mounts: list) -> tuple:
+    """``{fqn.name: placement}`` with one entry per parameter object, and the problems found."""
+    by_param: dict = {}
+    found = []
+    for mount in mounts:
+        sub = module.get_submodule(mount.fqn)
+        for name, placement in mount.params:
+            param = sub.get_parameter(name)
+            full = ".".join(p for p in (mount.fqn, name) if p)
+            if id(param) in by_param:
+                first, placed, first_style = by_param[id(param)]
+                if placed != placement:
+                    found.append(
+                        f"parameter {full!r} is tied to {first!r}: {first_style!r} places it "
+                        f"{placed!r} and {mount.style!r} places it {placement!r}; a tied tensor "
+                        "has one layout, so give both modules styles that agree."
+                    )
+                continue
+            by_param[id(param)] = (full, placement, mount.style)
+            if isinstance(param, DTensor) and from_torch(param.placements) != (placement,):
+                found.append(f"parameter {full!r} is already a DTensor laid out "
+                             f"{from_torch(param.placements)}; it cannot become {placement!r}.")
+    return {full: placement for full, placement, _ in by_param.values()}, found
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | None = 0) -> nn.Module:
+    """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
+
+    ``plan`` is a ``tpfn.plan(...)``, a dict of FQN pattern -> style, or one style for the
+    module itself. Parameters become DTensor parameters (tied ones stay one parameter);
+    forward hooks prepare inputs and outputs. ``src_rank`` is the rank whose parameter values
+    every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps each rank's own values
+    and communicates nothing (for modules initialized identically, or on the meta device).
+
+    Every problem (a pattern that matches nothing, a style its module cannot take, a module
+    already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
+    before anything changes.
+
+    >>> import torch, torch.nn as nn, tpfn
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,))   # any 1-D mesh; here one rank
+    >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    >>> mlp = tpfn.parallelize(mlp, mesh, {"0": tpfn.colwise(), "2": tpfn.rowwise()})
+    >>> mlp[0].weight.placements, mlp(torch.ones(2, 8)).shape
+    ((Shard(dim=0),), torch.Size([2, 8]))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
+    _check_mesh(mesh, src_rank)
+    bindings = resolve(plan, module)
+    mounts = [bind(b.style, module.get_submodule(b.fqn), b.fqn) for b in bindings]
+    found = [f"{describe(module.get_submodule(m.fqn), m.fqn)} is already parallelized "
+             f"({mounted(module.get_submodule(m.fqn)).style!r}); parallelize a fresh module, or "
+             "leave it out of this plan." for m in mounts if mounted(module.get_submodule(m.fqn))]
+    rule, tied = _placements(module, mounts)
+    if found + tied:
+        raise PlanError(found + tied)
+
+    new = shard_params(module, mesh, rule, src_rank=src_rank)
+    replacement = {id(module.get_parameter(name)): param for name, param in new.items()}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in replacement:
+                sub._parameters[name] = replacement[id(param)]
+    for m in mounts:
+        sub = module.get_submodule(m.fqn)
+        if m.inputs.slots or m.inputs.kwargs:
+            sub.register_forward_pre_hook(_input_hook(m.inputs, mesh), with_kwargs=True)
+        if m.outputs.slots or m.outputs.keys:
+            sub.register_forward_hook(_output_hook(m.outputs, mesh))
+        _MOUNTED[sub] = m
+    return module
+
+
+def _input_hook(spec, mesh):
+    def hook(module, args, kwargs):
+        return prepare_inputs(args, kwargs, spec, mesh)
+    return hook
+
+
+def _output_hook(spec, mesh):
+    def hook(module, args, output):
+        return prepare_outputs(output, spec, mesh)
+    return hook

@@ -1,0 +1,171 @@
+"""Plans: immutable maps from module FQN patterns to styles, resolved purely against a module.
+
+A pattern is a dotted module path; ``*`` matches one name component (any ``fnmatch``
+pattern works within a component) and ``""`` is the module itself. A value may be a plan
+(or a dict) to nest under the key's prefix. ``a | b`` merges plans; a pattern bound to two
+different styles is an error.
+
+>>> from tpfn import Replicate, colwise, prepare_out, rowwise
+>>> p = plan({"layers.*": {"attention.wq": colwise(), "attention.wo": rowwise()}})
+>>> p
+plan({'layers.*.attention.wo': rowwise(), 'layers.*.attention.wq': colwise()})
+>>> p | plan({"output": colwise() >> prepare_out(Replicate())}) == plan({
+...     "layers.*.attention.wq": colwise(), "layers.*.attention.wo": rowwise(),
+...     "output": colwise() >> prepare_out(Replicate())})
+True
+
+``resolve(plan, module)`` returns the bindings, one per bound module in module order,
+or raises one ``PlanError`` that lists every pattern matching nothing (with near misses),
+every module bound to two styles and every style its module cannot take.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from fnmatch import fnmatchcase
+
+import attrs
+import torch.nn as nn
+
+from tpfn.bind import describe, problems
+from tpfn.errors import PlanError
+from tpfn.style import Style
+
+__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve"]
+
+
+def _check_pattern(pattern) -> str:
+    if not isinstance(pattern, str):
+        raise TypeError(
+            f"plan keys must be module FQN patterns (str), e.g. 'layers.*.attention.wq' "
+            f"(got {pattern!r} that is a {type(pattern)!r})."
+        )
+    if pattern and any(part == "" for part in pattern.split(".")):
+        raise ValueError(f"plan key {pattern!r} has an empty name component; write e.g. 'layers.*.w1'.")
+    return pattern
+
+
+def _join(prefix: str, pattern: str) -> str:
+    return ".".join(p for p in (prefix, pattern) if p)
+
+
+def _flatten(mapping, prefix: str = "") -> list:
+    if isinstance(mapping, Plan):
+        mapping = dict(mapping.rules)
+    if not isinstance(mapping, dict):
+        raise TypeError(f"a plan is built from a dict of pattern -> style (got {mapping!r}).")
+    out = []
+    for pattern, value in mapping.items():
+        key = _join(prefix, _check_pattern(pattern))
+        if isinstance(value, (dict, Plan)):
+            out.extend(_flatten(value, key))
+        elif isinstance(value, Style):
+            out.append((key, value))
+        else:
+            raise TypeError(
+                f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) or "
+                f"a nested plan (got {value!r} that is a {type(value)!r})."
+            )
+    return out
+
+
+def _merge(rules) -> tuple:
+    merged: dict = {}
+    conflicts = []
+    for pattern, style in rules:
+        if pattern in merged and merged[pattern] != style:
+            conflicts.append(f"{pattern!r} is bound to {merged[pattern]!r} and to {style!r}")
+        merged.setdefault(pattern, style)
+    if conflicts:
+        raise PlanError(conflicts)
+    return tuple(sorted(merged.items()))
+
+
+@attrs.frozen(repr=False)
+class Plan:
+    """FQN pattern -> style, sorted by pattern; equal by value, hashable."""
+
+    rules: tuple = ()
+
+    def __or__(self, other) -> "Plan":
+        """Both plans' rules; a pattern bound to two different styles is an error."""
+        return Plan(_merge(self.rules + as_plan(other).rules))
+
+    def under(self, prefix: str) -> "Plan":
+        """This plan nested under ``prefix``: ``plan({"w1": s}).under("mlp") == plan({"mlp.w1": s})``."""
+        return plan({_check_pattern(prefix): self})
+
+    def __repr__(self):
+        return f"plan({dict(self.rules)!r})"
+
+
+def plan(mapping=None) -> Plan:
+    """The plan of ``mapping`` (pattern -> style or nested plan/dict).
+
+    >>> plan({"mlp": {"w1": colwise(), "w2": rowwise()}})
+    plan({'mlp.w1': colwise(), 'mlp.w2': rowwise()})
+    """
+    return Plan(_merge(_flatten(mapping or {})))
+
+
+def as_plan(value) -> Plan:
+    """A plan from a plan, a dict, or a single style (bound to the module itself)."""
+    if isinstance(value, Plan):
+        return value
+    if isinstance(value, Style):
+        return Plan((("", value),))
+    return plan(value)
+
+
+@attrs.frozen
+class Binding:
+    """One module bound to one style."""
+
+    fqn: str
+    style: Style
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    if not pattern:
+        return not fqn
+    parts, names = pattern.split("."), fqn.split(".") if fqn else []
+    return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
+
+
+def _generalize(fqn: str) -> str:
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
+
+
+def resolve(plan_like, module: nn.Module) -> tuple:
+    """The bindings of a plan on ``module`` (pure), or a ``PlanError`` listing every problem."""
+    rules = as_plan(plan_like).rules
+    modules = dict(module.named_modules())
+    found, bound = [], {}
+    for pattern, style in rules:
+        hits = [fqn for fqn in modules if _matches(pattern, fqn)]
+        if not hits:
+            names = [f for f in modules if f]
+            shapes = sorted({_generalize(f) for f in names})
+            close = difflib.get_close_matches(pattern, shapes if "*" in pattern else names, n=3)
+            listed = names if len(names) <= 8 else shapes
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else \
+                f"; modules here: {', '.join(listed[:8])}{', ...' if len(listed) > 8 else ''}"
+            found.append(f"{pattern!r} -> {style!r} matches no module{hint}")
+        for fqn in hits:
+            bound.setdefault(fqn, []).append((pattern, style))
+    bindings = []
+    order = {fqn: i for i, fqn in enumerate(modules)}
+    for fqn, entries in sorted(bound.items(), key=lambda item: order[item[0]]):
+        styles = sorted({s for _, s in entries}, key=repr)
+        if len(styles) > 1:
+            by = "; ".join(f"{p!r} -> {s!r}" for p, s in entries)
+            found.append(f"{describe(modules[fqn], fqn)} is bound to {len(styles)} styles ({by}); "
+                         "bind it once, e.g. by combining them with >> or narrowing a pattern.")
+            continue
+        found.extend(problems(styles[0], modules[fqn], fqn))
+        bindings.append(Binding(fqn, styles[0]))
+    if found:
+        raise PlanError(found)
+    return tuple(bindings)
+
