@@ -130,7 +130,19 @@ def test_prepare_in_then_colwise_is_pytorchs_colwise_with_input_layouts():
     m = bind(prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate()), nn.Linear(2, 2))
     assert m.inputs.slots == (Slot(Shard(1), Replicate()),)
     assert m.outputs.slots == (Slot(Shard(-1), Replicate()),)
-    assert m.outputs.local is True and m.inputs.local is False
+    assert m.outputs.local is True
+    # nn.Linear's layouts are known: it computes on local shards (tpfn.local).
+    assert m.kernel is not None and m.inputs.local is True
+
+
+def test_modules_with_their_own_forward_compute_on_dtensors():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    m = bind(colwise(), Scaled(2, 2))
+    assert m.kernel is None and m.inputs.local is False
+    assert bind(rowwise(), nn.Embedding(4, 2, padding_idx=0)).kernel is None
 
 
 def test_rowwise_then_shard_reduce_scatters_directly():

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from tpfn.errors import PlanError
 from tpfn.layout import Replicate, Shard
+from tpfn.local import kernel_for
 from tpfn.style import Core, Inputs, Outputs, Params, Slot, Style, _fold, _fold_named
 
 __all__ = ["InputSpec", "OutputSpec", "Mount", "bind", "problems", "describe"]
@@ -57,13 +58,15 @@ class OutputSpec:
 
 @attrs.frozen
 class Mount:
-    """A style bound to one module: parameter placements and the two specs."""
+    """A style bound to one module: parameter placements, the two specs, and the kernel
+    that computes the core on local tensors (None: the module computes on DTensors)."""
 
     fqn: str
     style: Style
     params: tuple
     inputs: InputSpec
     outputs: OutputSpec
+    kernel: object = None
 
 
 def describe(module: nn.Module, fqn: str) -> str:
@@ -138,7 +141,7 @@ def _fold_style(style: Style, module: nn.Module, fqn: str):
         placements[name], by[name] = placement, source
 
     inputs, kwargs, outputs, keys = (), (), (), ()
-    in_local, out_local = None, None
+    in_local, out_local, kernel = None, None, None
     core = style.core
     for stage in style.stages:
         if isinstance(stage, Inputs):
@@ -154,7 +157,8 @@ def _fold_style(style: Style, module: nn.Module, fqn: str):
             for name, placement in core_params.items():
                 place(name, placement, repr(stage))
             inputs = _fold(inputs, (slot,), "input")
-            in_local = False  # the module computes on DTensors
+            kernel = kernel_for(stage, module)
+            in_local = kernel is not None  # else the module computes on DTensors
             outputs = _fold(outputs, (stage.output,), "output")
             out_local = stage.local
         elif isinstance(stage, Outputs):
@@ -195,6 +199,7 @@ def _fold_style(style: Style, module: nn.Module, fqn: str):
         params=tuple(sorted(placements.items())),
         inputs=InputSpec(inputs, kwargs, names, bool(in_local), where),
         outputs=OutputSpec(outputs, keys, default_out if out_local is None else out_local, where),
+        kernel=kernel,
     )
 
 

@@ -9,22 +9,20 @@ None of them mutates its arguments; ``parallelize`` mounts them on modules.
 - ``prepare_outputs(outputs, spec, mesh)``: the same for a module's outputs (a tensor, the
   items of a tuple or list, the values of a dict).
 
-A local tensor that leaves a slot sharded remembers its global shape (keyed by its local
-shape and layout), so a sequence the mesh does not divide keeps its length when the next
-module annotates it again (PyTorch infers an even split there, torchtitan#1306).
+A local tensor that leaves a slot sharded remembers its global shape (``tpfn.shapes``), so
+a sequence the mesh does not divide keeps its length when the next module annotates it
+again (PyTorch infers an even split there, torchtitan#1306).
 """
 
 from __future__ import annotations
-
-import collections
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpfn.bind import InputSpec, OutputSpec
 from tpfn.errors import LayoutError
 from tpfn.layout import from_torch, normalize, to_torch
+from tpfn.shapes import SHAPES, contiguous_strides
 
 __all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
 
@@ -53,37 +51,17 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
     return out
 
 
-class _Shapes:
-    """Global shapes of sharded local tensors that left a slot, keyed by local shape and layout."""
-
-    def __init__(self, size: int = 64):
-        self.size, self.table = size, collections.OrderedDict()
-
-    @staticmethod
-    def _key(shape, placements, mesh):
-        return tuple(shape), placements, id(mesh)
-
-    def remember(self, local: torch.Tensor, dt: DTensor) -> None:
-        if any(p.is_shard() for p in dt.placements):
-            key = self._key(local.shape, dt.placements, dt.device_mesh)
-            self.table[key] = dt.shape
-            self.table.move_to_end(key)
-            while len(self.table) > self.size:
-                self.table.popitem(last=False)
-
-    def recall(self, local: torch.Tensor, placements, mesh):
-        return self.table.get(self._key(local.shape, placements, mesh))
-
-
-_SHAPES = _Shapes()
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
+    """``x``, after checking it lives on ``mesh`` in the layout ``slot`` declares."""
+    current = normalize(from_torch(x.placements), x.ndim)
+    if x.device_mesh != mesh:
+        raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}.")
+    if slot.given is not None and current != normalize(slot.given, x.ndim):
+        raise LayoutError(
+            f"{what} arrives laid out {current[0]!r} but the plan declares {slot.given!r}; "
+            f"declare {current[0]!r} there, or redistribute it before the call."
+        )
+    return x
 
 
 def _convert(x, slot, mesh, local: bool, what: str):
@@ -93,23 +71,14 @@ def _convert(x, slot, mesh, local: bool, what: str):
     if isinstance(x, DTensor):
         ndim = x.ndim
         current = normalize(from_torch(x.placements), ndim)
-        if x.device_mesh != mesh:
-            raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}.")
-        if slot.given is not None and current != normalize(slot.given, ndim):
-            raise LayoutError(
-                f"{what} arrives laid out {current[0]!r} but the plan declares {slot.given!r}; "
-                f"declare {current[0]!r} there, or redistribute it before the call."
-            )
-        dt = x
+        dt = checked(x, slot, mesh, what)
     elif isinstance(x, torch.Tensor):
         ndim = x.ndim
         current = normalize(slot.given if slot.given is not None else slot.desired, ndim)
         placements = to_torch(current)
-        shape = _SHAPES.recall(x, placements, mesh)
-        dt = DTensor.from_local(
-            x, mesh, placements, run_check=False,
-            shape=shape, stride=None if shape is None else _contiguous_strides(shape),
-        )
+        shape = SHAPES.recall(x.shape, placements, mesh)
+        dt = DTensor.from_local(x, mesh, placements, run_check=False,
+                                shape=shape, stride=contiguous_strides(shape))
     else:
         raise TypeError(
             f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor; mark it None "
@@ -122,11 +91,11 @@ def _convert(x, slot, mesh, local: bool, what: str):
     if not local:
         return dt
     out = dt.to_local()
-    _SHAPES.remember(out, dt)
+    SHAPES.remember(out.shape, dt.placements, dt.shape, dt.device_mesh)
     return out
 
 
-def prepare_inputs(args: tuple, kwargs: dict, spec: InputSpec, mesh) -> tuple:
+def prepare_inputs(args: tuple, kwargs: dict, spec, mesh) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers)."""
     args, kwargs = list(args), dict(kwargs)
     for i, slot in enumerate(spec.slots):
@@ -143,7 +112,7 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: InputSpec, mesh) -> tuple:
     return tuple(args), kwargs
 
 
-def prepare_outputs(outputs, spec: OutputSpec, mesh):
+def prepare_outputs(outputs, spec, mesh):
     """``outputs`` with every output that ``spec`` names converted (a new container)."""
     if isinstance(outputs, dict):
         out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn.bind import bind, describe
+from tpfn.bind import InputSpec, bind, describe
 from tpfn.errors import PlanError
+from tpfn.fns import checked as _checked
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
-from tpfn.layout import from_torch
+from tpfn.layout import from_torch, normalize, to_torch
+from tpfn.local import cotangent_placement, local_params, move, vocab_mask
 from tpfn.plan import resolve
+from tpfn.shapes import SHAPES, contiguous_strides
+from tpfn.style import Slot
 
 __all__ = ["parallelize", "mounted"]
 
@@ -114,10 +119,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
                 sub._parameters[name] = replacement[id(param)]
     for m in mounts:
         sub = module.get_submodule(m.fqn)
-        if m.inputs.slots or m.inputs.kwargs:
-            sub.register_forward_pre_hook(_input_hook(m.inputs, mesh), with_kwargs=True)
-        if m.outputs.slots or m.outputs.keys:
-            sub.register_forward_hook(_output_hook(m.outputs, mesh))
+        if m.kernel is not None:
+            hooks = _LocalHooks(m, mesh)
+            sub.register_forward_pre_hook(hooks.enter, with_kwargs=True)
+            sub.register_forward_hook(hooks.leave, always_call=True)
+        else:
+            if m.inputs.slots or m.inputs.kwargs:
+                sub.register_forward_pre_hook(_input_hook(m.inputs, mesh), with_kwargs=True)
+            if m.outputs.slots or m.outputs.keys:
+                sub.register_forward_hook(_output_hook(m.outputs, mesh))
         _MOUNTED[sub] = m
     return module
 
@@ -132,3 +142,76 @@ def _output_hook(spec, mesh):
     def hook(module, args, output):
         return prepare_outputs(output, spec, mesh)
     return hook
+
+
+class _LocalHooks:
+    """The hooks of a module whose core computes on local tensors (``tpfn.local``).
+
+    ``enter`` moves input 0 to the core's layout, prepares any other inputs, and hands the
+    module its parameters' local shards; ``leave`` puts the parameters back (also when the
+    forward raised) and moves the output to the wanted layout.
+    """
+
+    def __init__(self, mount, mesh):
+        self.mount, self.mesh, self.kernel = mount, mesh, mount.kernel
+        self.calls: list = []
+
+    def enter(self, module, args, kwargs):
+        spec, kernel = self.mount.inputs, self.kernel
+        args, kwargs = list(args), dict(kwargs)
+        name = spec.names[0] if spec.names else None
+        if args:
+            args[0], shape = self._input(args[0], spec.slots[0])
+        else:
+            kwargs[name], shape = self._input(kwargs[name], spec.slots[0])
+        rest = InputSpec((Slot(),) + spec.slots[1:], spec.kwargs, spec.names, True, spec.where)
+        args, kwargs = prepare_inputs(tuple(args), kwargs, rest, self.mesh)
+        mask = None
+        if kernel.vocab:
+            args = list(args)
+            if args:
+                args[0], mask = vocab_mask(args[0], module, self.mesh)
+            else:
+                kwargs[name], mask = vocab_mask(kwargs[name], module, self.mesh)
+        views = local_params(module, kernel, self.mesh)
+        self.calls.append(({n: module._parameters[n] for n in views}, shape, mask))
+        module._parameters.update(views)
+        return tuple(args), kwargs
+
+    def _input(self, x, slot):
+        """Input 0 in the core's layout, as a local tensor, and its global shape."""
+        grad = self.kernel.input_grad
+        if isinstance(x, DTensor):
+            dt = _checked(x, slot, self.mesh, f"input 0 of {self.mount.inputs.where}")
+            wanted = to_torch(normalize(slot.desired, x.ndim)) if slot.desired else dt.placements
+            if wanted != dt.placements:  # a no-op redistribute would reduce partial gradients
+                dt = dt.redistribute(self.mesh, wanted)
+            grads = None if grad is None else to_torch(normalize(grad, x.ndim))
+            return dt.to_local(grad_placements=grads), tuple(x.shape)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input 0 of {self.mount.inputs.where} is declared {slot!r} but is "
+                            f"{type(x).__name__}, not a tensor.")
+        given = slot.given if slot.given is not None else slot.desired
+        shape = SHAPES.recall(x.shape, to_torch(normalize(given, x.ndim)), self.mesh)
+        wanted = slot.desired if slot.desired is not None else given
+        return move(x, given, wanted, grad, self.mesh, shape), shape
+
+    def leave(self, module, args, output):
+        saved, shape, mask = self.calls.pop()
+        module._parameters.update(saved)
+        if output is None:  # the forward raised; its error propagates
+            return None
+        if mask is not None:
+            output = output.masked_fill(mask.unsqueeze(-1), 0)
+        spec = self.mount.outputs
+        slot = spec.slots[0]
+        made = slot.given  # the kernel's output layout
+        wanted = slot.desired if slot.desired is not None else made
+        out_shape = self.kernel.out_shape(module, shape)
+        out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape)
+        placements = to_torch(normalize(wanted, out.ndim))
+        if spec.local:
+            SHAPES.remember(out.shape, placements, out_shape, self.mesh)
+            return out
+        return DTensor.from_local(out, self.mesh, placements, run_check=False,
+                                  shape=out_shape, stride=contiguous_strides(out_shape))

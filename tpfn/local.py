@@ -1,0 +1,166 @@
+"""Local execution: built-in cores compute on local tensors, collectives only at the slots.
+
+DTensor runs every op inside a parallelized module through its sharding propagation.
+For the modules whose layout rules tpfn knows (column-/row-wise ``nn.Linear`` and
+``nn.Embedding``, sequence-parallel norms and dropout), that work is known in advance:
+a *kernel* states the layout of the module's local output and of its input's gradient.
+So the hooks hand the module its parameters' local shards (their gradients flow back to
+the DTensor parameters), move the input to the wanted layout with one autograd-aware
+transition (its backward is the dual transition: Megatron's f and g), and move the local
+output to the wanted layout the same way. Parameters stay DTensors for optimizers,
+FSDP2 and checkpoints; the numbers are the ones DTensor computes.
+
+>>> from tpfn import colwise, rowwise
+>>> kernel_for(colwise().core, nn.Linear(4, 8)).output
+Shard(dim=-1)
+>>> kernel_for(rowwise().core, nn.Linear(4, 8)).input_grad
+Shard(dim=-1)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+from tpfn.shapes import contiguous_strides
+from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
+
+__all__ = ["Kernel", "kernel_for", "move", "local_params", "vocab_mask"]
+
+
+@attrs.frozen
+class Kernel:
+    """What a module computes on local tensors, in layouts.
+
+    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction);
+    ``input_grad``: the layout of the gradient it computes for input 0 (None: no gradient,
+    e.g. token ids); ``grads``: parameter name -> layout of its local gradient where that
+    differs from the parameter's own; ``partial_bias``: a bias added once to partial sums;
+    ``vocab``: an embedding sharded over its vocabulary (out-of-shard ids masked).
+    """
+
+    output: object
+    input_grad: object
+    grads: tuple = ()
+    partial_bias: bool = False
+    vocab: bool = False
+
+    def out_shape(self, module: nn.Module, in_shape: tuple) -> tuple:
+        """The global shape of the output for an input of global shape ``in_shape``."""
+        if isinstance(module, nn.Linear):
+            return (*in_shape[:-1], module.out_features)
+        if isinstance(module, nn.Embedding):
+            return (*in_shape, module.embedding_dim)
+        return in_shape
+
+
+def kernel_for(core, module: nn.Module):
+    """The kernel of a core on a module, or None where only DTensor knows the layouts."""
+    kind = type(module)
+    if core.kind == "sequence_parallel":
+        replicated = tuple((n, Partial()) for n, _ in module.named_parameters())
+        return Kernel(Shard(core.dim), Shard(core.dim), grads=replicated)
+    if kind.forward is nn.Linear.forward:
+        if core.kind == "colwise":
+            return Kernel(Shard(-1), Partial())
+        return Kernel(Partial(), Shard(-1), partial_bias=module.bias is not None)
+    if kind.forward is nn.Embedding.forward and module.max_norm is None:
+        if core.kind == "colwise":
+            return Kernel(Shard(-1), None)
+        if module.padding_idx is None:
+            return Kernel(Partial(), None, vocab=True)
+    return None
+
+
+def cotangent_placement(p):
+    """The layout a gradient takes back: Partial becomes Replicate (each term gets it all)."""
+    return Replicate() if isinstance(p, Partial) else p
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
+    return DTensorSpec(mesh, to_torch(placement), tensor_meta=meta)
+
+
+class _Move(torch.autograd.Function):
+    """One transition forward, its dual backward, on local tensors."""
+
+    @staticmethod
+    def forward(ctx, x, forward_specs, backward_specs):
+        ctx.backward_specs = backward_specs
+        if forward_specs is None:
+            return x.view_as(x)
+        return redistribute_local_tensor(x, *forward_specs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.backward_specs is None:
+            return grad, None, None
+        return redistribute_local_tensor(grad.contiguous(), *ctx.backward_specs), None, None
+
+
+def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple) -> torch.Tensor:
+    """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
+    (None: it needs none) and leaves in ``src``'s cotangent layout."""
+    ndim = len(global_shape)
+    src, dst = normalize(src, ndim)[0], normalize(dst, ndim)[0]
+    back = None if grad is None else normalize(grad, ndim)[0]
+    target = cotangent_placement(src)
+    forward_specs = None if src == dst else (
+        _spec(mesh, src, global_shape, x.dtype), _spec(mesh, dst, global_shape, x.dtype))
+    backward_specs = None if back is None or back == target else (
+        _spec(mesh, back, global_shape, x.dtype), _spec(mesh, target, global_shape, x.dtype))
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return redistribute_local_tensor(x, *forward_specs) if forward_specs else x
+    if forward_specs is None and backward_specs is None:
+        return x
+    # Always through _Move: functional collectives differentiate themselves otherwise
+    # (an all-reduce's gradient would be all-reduced again).
+    return _Move.apply(x, forward_specs, backward_specs)
+
+
+class _PartialBias(torch.autograd.Function):
+    """A replicated bias as one term of a sum over ``n`` ranks: ``b / n`` forward, and the
+    whole gradient backward (DTensor's Replicate -> Partial, so the numbers match)."""
+
+    @staticmethod
+    def forward(ctx, bias, n):
+        return bias / n
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
+    """The local views the module computes with, by parameter name."""
+    grads = dict(kernel.grads)
+    views = {}
+    for name, param in module._parameters.items():
+        if not isinstance(param, DTensor):
+            continue
+        grad = grads.get(name)
+        view = param.to_local(grad_placements=None if grad is None else to_torch(grad))
+        if kernel.partial_bias and name == "bias":
+            view = _PartialBias.apply(view, mesh.size())
+        views[name] = view
+    return views
+
+
+def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh):
+    """(local ids, mask of ids outside this rank's vocabulary slice), as DTensor computes them."""
+    n, rank, vocab = mesh.size(), mesh.get_local_rank(), module.num_embeddings
+    chunk = -(-vocab // n)
+    offset = min(rank * chunk, vocab)
+    size = max(0, min(vocab, offset + chunk) - offset)
+    mask = (ids < offset) | (ids >= offset + size)
+    local = ids.clone() - offset
+    local[mask] = 0
+    return local, mask
