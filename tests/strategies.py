@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from tpfn.layout import REDUCE_OPS, Partial, Replicate, Shard
 
 
-def placements(ndim: int = 3, ops=REDUCE_OPS):
-    """Any placement of a tensor with ``ndim`` dims (negative shard dims included)."""
+def placements(ndim: int = 3, ops=REDUCE_OPS, packed: bool = True):
+    """Any placement of a tensor with ``ndim`` dims (negative shard dims and, if ``packed``,
+    two packed parts included)."""
     return st.one_of(
-        st.builds(Shard, st.integers(-ndim, ndim - 1)),
+        st.builds(Shard, st.integers(-ndim, ndim - 1), st.sampled_from([1, 2] if packed else [1])),
         st.just(Replicate()),
         st.builds(Partial, st.sampled_from(ops)),
     )
@@ -20,7 +21,8 @@ def placements(ndim: int = 3, ops=REDUCE_OPS):
 def layouts(draw, mesh_ndim: int, ndim: int = 3):
     """A layout for ``mesh_ndim`` mesh dims that uses at most one Partial reduction."""
     op = draw(st.sampled_from(REDUCE_OPS))
-    return tuple(draw(placements(ndim, ops=(op,))) for _ in range(mesh_ndim))
+    packed = mesh_ndim == 1  # packed shards are modelled on 1-D meshes
+    return tuple(draw(placements(ndim, ops=(op,), packed=packed)) for _ in range(mesh_ndim))
 
 
 @st.composite

@@ -1,6 +1,6 @@
 """Prediction equals reality: the algebra's steps are the collectives DTensor's redistribute issues.
 
-Every pair of 1-D placements on 2 gloo ranks, and every pair of 2-D layouts over
+Every pair of 1-D placements (packed shards included) on 2 gloo ranks, and every pair of 2-D layouts over
 {Shard(0), Shard(1), Replicate(), Partial()} on a 2x2 mesh of 4 ranks, even and uneven
 shapes: the collectives counted under ``CommDebugMode`` are exactly those the algebra
 predicts, each rank's local tensor is what the virtual mesh predicts, and the backward
@@ -23,8 +23,10 @@ from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
 
 PLACEMENTS_1D = [Shard(0), Shard(1), Shard(-1), Replicate(),
                  Partial("sum"), Partial("avg"), Partial("max"), Partial("min")]
+PACKED = [Shard(0, parts=2), Shard(1, parts=2)]
 PLACEMENTS_2D = [Shard(0), Shard(1), Replicate(), Partial()]
 SHAPES = [(8, 6), (7, 5)]
+PACKED_SHAPES = [(8, 12)]  # DTensor packs equal parts that the mesh divides
 
 # gloo has no all-to-all: DTensor runs Shard(i) -> Shard(j) as an all-gather and a local chunk.
 GLOO = {"all_to_all": "all_gather"}
@@ -97,8 +99,11 @@ def _check_pairs(mesh_shape, layouts, shapes, with_backward):
 
 
 def _all_1d_pairs():
-    layouts = [(p,) for p in PLACEMENTS_1D]
-    return _check_pairs((dist.get_world_size(),), layouts, SHAPES, with_backward=True)
+    mesh_shape = (dist.get_world_size(),)
+    plain = [(p,) for p in PLACEMENTS_1D]
+    packed = plain + [(p,) for p in PACKED]
+    return (_check_pairs(mesh_shape, plain, SHAPES, with_backward=True)
+            + _check_pairs(mesh_shape, packed, PACKED_SHAPES, with_backward=True))
 
 
 def _all_2d_pairs():

@@ -86,6 +86,13 @@ def test_torch_placements_map_one_to_one():
 def test_from_torch_rejects_placements_tpfn_does_not_model():
     with pytest.raises(ValueError, match=r"Partial\(product\) has no tpfn layout"):
         from_torch(dt.Partial("product"))
-    strided = dt.placement_types._StridedShard(0, split_factor=2)
-    with pytest.raises(ValueError, match="has no tpfn layout"):
-        from_torch(strided)
+
+
+
+def test_packed_shards_are_dtensors_strided_shards():
+    strided = dt.placement_types._StridedShard(1, split_factor=2)
+    assert from_torch(strided) == (Shard(1, parts=2),)
+    assert to_torch(Shard(1, parts=2)) == (strided,)
+    assert repr(Shard(1, parts=2)) == "Shard(dim=1, parts=2)" and Shard(1, parts=1) == Shard(1)
+    with pytest.raises(ValueError, match="'parts' must be at least 1 \\(got 0\\)."):
+        Shard(0, parts=0)

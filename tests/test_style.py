@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import tpfn
 from tests import virtual
 from tpfn import (
-    Partial, Replicate, Shard, StyleError, colwise, identity, params, prepare_in, prepare_out,
-    replicate, rowwise, sequence_parallel,
+    Partial, Replicate, Shard, StyleError, colwise, identity, on_shards, params, prepare_in,
+    prepare_out, replicate, rowwise, sequence_parallel,
 )
 from tpfn.algebra import comm_bytes, transition
 from tpfn.bind import bind, problems
@@ -48,6 +48,10 @@ stages = st.one_of(
     st.builds(colwise, local=flags),
     st.builds(rowwise, local=flags),
     st.builds(sequence_parallel, st.integers(-2, 2), local=flags),
+    st.builds(lambda w, g, o, loc: on_shards(*w, grads=g, output=o, local=loc),
+              st.lists(slot_layouts, max_size=2).map(tuple), st.one_of(st.none(), out_layouts),
+              out_layouts, flags),
+    st.builds(colwise, parts=st.integers(1, 3), local=flags),
     st.builds(lambda **kw: params(**kw), **{"w": st.sampled_from([Shard(0), Replicate()])}),
     st.just(replicate()),
     st.just(identity()),
@@ -215,7 +219,7 @@ def test_params_and_replicate_place_parameters():
     (lambda: sequence_parallel(dim=1.0), TypeError,
      "'dim' must be <class 'int'> (got 1.0 that is a <class 'float'>)."),
     (lambda: params(w=Partial()), TypeError,
-     "params: 'w' must be Shard(dim) or Replicate() (got Partial(op='sum') that is a "
+     "params: 'w' must be Shard(dim) or Replicate() (got Partial() that is a "
      "<class 'tpfn.layout.Partial'>); a parameter holds values, never pending partial sums."),
 ])
 def test_bad_compositions_and_arguments_are_named(build, error, message):

@@ -16,11 +16,22 @@ from tpfn.algebra import AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, t
 from tpfn.layout import Partial, Replicate, Shard, normalize
 
 
-def chunks(t: torch.Tensor, dim: int, k: int) -> list:
-    """``torch.chunk`` padded with empty chunks to exactly ``k`` (DTensor's split)."""
-    parts = list(torch.chunk(t, k, dim)) if t.size(dim) else []
+def chunks(t: torch.Tensor, dim: int, k: int, parts: int = 1) -> list:
+    """``torch.chunk`` padded with empty chunks to exactly ``k`` (DTensor's split); with
+    ``parts``, chunk ``c`` of each of the equal parts, concatenated."""
+    if parts > 1:
+        pieces = [chunks(piece, dim, k) for piece in torch.chunk(t, parts, dim)]
+        return [torch.cat([p[c] for p in pieces], dim) for c in range(k)]
+    split = list(torch.chunk(t, k, dim)) if t.size(dim) else []
     empty = t.narrow(dim, 0, 0)
-    return parts + [empty] * (k - len(parts))
+    return split + [empty] * (k - len(split))
+
+
+def _gather(group: list, dim: int, parts: int) -> torch.Tensor:
+    if parts == 1:
+        return torch.cat(group, dim)
+    pieces = [torch.chunk(t, parts, dim) if t.size(dim) else [t] * parts for t in group]
+    return torch.cat([pieces[r][p] for p in range(parts) for r in range(len(group))], dim)
 
 
 def _terms(t: torch.Tensor, op: str, k: int, gen: torch.Generator) -> list:
@@ -42,7 +53,7 @@ def scatter(t: torch.Tensor, layout, mesh_shape, seed: int = 0) -> dict:
         nxt = {}
         for coord, local in held.items():
             if isinstance(p, Shard):
-                parts = chunks(local, p.dim, k)
+                parts = chunks(local, p.dim, k, p.parts)
             elif isinstance(p, Partial):
                 parts = _terms(local, p.op, k, gen)
             else:
@@ -62,7 +73,7 @@ def _run_step(step, group: list) -> list:
     """The local tensors of one mesh-dim group (ordered by coordinate) after ``step``."""
     k = len(group)
     if isinstance(step, AllGather):
-        return [torch.cat(group, step.dim)] * k
+        return [_gather(group, step.dim, step.parts)] * k
     if isinstance(step, AllReduce):
         return [_reduce(group, step.op)] * k
     if isinstance(step, ReduceScatter):
@@ -70,7 +81,7 @@ def _run_step(step, group: list) -> list:
     if isinstance(step, AllToAll):
         return chunks(torch.cat(group, step.src_dim), step.dst_dim, k)
     if isinstance(step, Chunk):
-        return [chunks(t, step.dim, k)[c] for c, t in enumerate(group)]
+        return [chunks(t, step.dim, k, step.parts)[c] for c, t in enumerate(group)]
     raise TypeError(f"not a step: {step!r}")
 
 

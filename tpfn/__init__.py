@@ -14,6 +14,7 @@ from tpfn.style import (
     Style,
     colwise,
     identity,
+    on_shards,
     params,
     prepare_in,
     prepare_out,
@@ -24,7 +25,7 @@ from tpfn.style import (
 
 __all__ = [
     "Shard", "Replicate", "Partial", "to_torch", "from_torch",
-    "Style", "colwise", "rowwise", "sequence_parallel", "replicate", "params",
+    "Style", "colwise", "rowwise", "sequence_parallel", "on_shards", "replicate", "params",
     "prepare_in", "prepare_out", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",

@@ -69,13 +69,14 @@ def _step(cls):
 
 @_step
 class AllGather:
-    """``Shard(dim) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk."""
+    """``Shard(dim, parts) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk."""
 
     dim: int
+    parts: int = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
     collective = "all_gather"
-    src = property(lambda self: Shard(self.dim))
+    src = property(lambda self: Shard(self.dim, self.parts))
     dst = property(lambda self: Replicate())
 
 
@@ -119,14 +120,16 @@ class AllToAll:
 
 @_step
 class Chunk:
-    """``Replicate() -> Shard(dim)`` on ``mesh_dim``: every rank keeps its own chunk; no communication."""
+    """``Replicate() -> Shard(dim, parts)`` on ``mesh_dim``: every rank keeps its own chunk
+    (of every part); no communication."""
 
     dim: int
+    parts: int = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
     collective = None
     src = property(lambda self: Replicate())
-    dst = property(lambda self: Shard(self.dim))
+    dst = property(lambda self: Shard(self.dim, self.parts))
 
 
 Step = (AllGather, AllReduce, ReduceScatter, AllToAll, Chunk)
@@ -138,7 +141,7 @@ def check_layout(layout, *, name: str = "layout") -> tuple:
     >>> check_layout((Partial("sum"), Partial("max")))
     Traceback (most recent call last):
     ...
-    ValueError: 'layout' mixes Partial reductions (Partial(op='sum'), Partial(op='max')): the order of a sum and a max matters, so DTensor rejects it; reduce one mesh dim first.
+    ValueError: 'layout' mixes Partial reductions (Partial(), Partial(op='max')): the order of a sum and a max matters, so DTensor rejects it; reduce one mesh dim first.
     """
     layout = as_layout(layout, name=name)
     ops = {p.op for p in layout if isinstance(p, Partial)}
@@ -167,19 +170,23 @@ def _check_legal(src: tuple, dst: tuple) -> None:
             )
 
 
-def _make_step(current: tuple, mesh_dim: int, target):
+def _make_steps(current: tuple, mesh_dim: int, target) -> tuple:
     cur = current[mesh_dim]
     others = tuple(j for j, p in enumerate(current) if j != mesh_dim and isinstance(p, Shard))
     where = dict(mesh_dim=mesh_dim, sharded_by=others)
+    packed = any(isinstance(p, Shard) and p.parts > 1 for p in (cur, target))
     if isinstance(target, Replicate):
         if isinstance(cur, Partial):
-            return AllReduce(op=cur.op, **where)
-        return AllGather(dim=cur.dim, **where)
-    if isinstance(cur, Partial):
-        return ReduceScatter(dim=target.dim, op=cur.op, **where)
+            return (AllReduce(op=cur.op, **where),)
+        return (AllGather(dim=cur.dim, parts=cur.parts, **where),)
     if isinstance(cur, Replicate):
-        return Chunk(dim=target.dim, **where)
-    return AllToAll(src_dim=cur.dim, dst_dim=target.dim, **where)
+        return (Chunk(dim=target.dim, parts=target.parts, **where),)
+    if packed:  # as DTensor: through Replicate, the second step local
+        return _make_steps(current, mesh_dim, Replicate()) + (
+            Chunk(dim=target.dim, parts=target.parts, **where),)
+    if isinstance(cur, Partial):
+        return (ReduceScatter(dim=target.dim, op=cur.op, **where),)
+    return (AllToAll(src_dim=cur.dim, dst_dim=target.dim, **where),)
 
 
 def transition(src, dst, *, ndim: int | None = None) -> tuple:
@@ -195,7 +202,7 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     >>> transition(Replicate(), Partial())
     Traceback (most recent call last):
     ...
-    ValueError: no transition turns Replicate() into Partial(op='sum') on mesh dim 0: Partial values arise only from computation (e.g. a matmul over a sharded dim); redistribution reduces them but never creates them. Ask for Replicate() or Shard(dim) instead.
+    ValueError: no transition turns Replicate() into Partial() on mesh dim 0: Partial values arise only from computation (e.g. a matmul over a sharded dim); redistribution reduces them but never creates them. Ask for Replicate() or Shard(dim) instead.
     """
     src, dst = check_layout(src, name="src"), check_layout(dst, name="dst")
     if len(src) != len(dst):
@@ -206,12 +213,17 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     if ndim is not None:
         src, dst = normalize(src, ndim), normalize(dst, ndim)
     _check_legal(src, dst)
+    if len(src) > 1 and any(isinstance(p, Shard) and p.parts > 1 for p in src + dst):
+        raise ValueError(
+            f"{src} -> {dst}: packed shards (parts > 1) are modelled on 1-D meshes only, where "
+            "tensor parallelism uses them; redistribute over one mesh dim at a time."
+        )
     current = list(src)
     steps = []
 
     def move(mesh_dim, target):
         if current[mesh_dim] != target:
-            steps.append(_make_step(tuple(current), mesh_dim, target))
+            steps.extend(_make_steps(tuple(current), mesh_dim, target))
             current[mesh_dim] = target
 
     if any(isinstance(p, Shard) for p in src) and len(src) > 1:
@@ -298,7 +310,10 @@ def local_shape(global_shape, layout, mesh_shape, coord) -> tuple:
         )
     for p, k, c in zip(normalize(layout, len(shape)), mesh_shape, coord):
         if isinstance(p, Shard):
-            shape[p.dim] = _chunk_size(shape[p.dim], k, c)
+            size = shape[p.dim]
+            if p.parts > 1 and not _is_symbolic(size) and size % p.parts:
+                raise ValueError(f"{p!r} needs dim {p.dim} to hold {p.parts} equal parts; it has {size}.")
+            shape[p.dim] = p.parts * _chunk_size(size / p.parts if _is_symbolic(size) else size // p.parts, k, c)
     return tuple(shape)
 
 

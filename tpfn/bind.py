@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from tpfn.errors import PlanError
 from tpfn.layout import Replicate, Shard
-from tpfn.local import kernel_for
-from tpfn.style import Core, Inputs, Outputs, Params, Slot, Style, _fold, _fold_named
+from tpfn.local import kernel_for, on_shards_kernel
+from tpfn.style import Core, Inputs, OnShards, Outputs, Params, Slot, Style, _fold, _fold_named
 
 __all__ = ["InputSpec", "OutputSpec", "Mount", "bind", "problems", "describe"]
 
@@ -75,20 +75,22 @@ def describe(module: nn.Module, fqn: str) -> str:
 
 
 # What a core does per module kind: parameter placements and the layout input 0 is wanted in.
-_KINDS = {
-    "colwise": {
-        nn.Linear: ({"weight": Shard(0), "bias": Shard(0)}, Replicate()),
-        nn.Embedding: ({"weight": Shard(1)}, Replicate()),
-    },
-    "rowwise": {
-        nn.Linear: ({"weight": Shard(1), "bias": Replicate()}, Shard(-1)),
-        nn.Embedding: ({"weight": Shard(0)}, Replicate()),
-    },
-}
+def _kinds(core: Core) -> dict:
+    k = core.parts
+    return {
+        "colwise": {
+            nn.Linear: ({"weight": Shard(0, k), "bias": Shard(0, k)}, Replicate()),
+            nn.Embedding: ({"weight": Shard(1, k)}, Replicate()),
+        },
+        "rowwise": {
+            nn.Linear: ({"weight": Shard(1, k), "bias": Replicate()}, Shard(-1, k)),
+            nn.Embedding: ({"weight": Shard(0, k)}, Replicate()),
+        },
+    }[core.kind]
 
 
 def _core(core: Core, module: nn.Module, where: str):
-    """(parameter placements, input slot) of ``core`` on ``module``, or a problem string."""
+    """(parameter placements, input slots) of ``core`` on ``module``, or a problem string."""
     if core.kind == "sequence_parallel":
         big = [n for n, p in module.named_parameters() if p.dim() > 1]
         if big:
@@ -98,11 +100,11 @@ def _core(core: Core, module: nn.Module, where: str):
                 "is not; shard it with colwise() or rowwise()."
             )
         placements = {n: Replicate() for n, _ in module.named_parameters()}
-        return placements, Slot(None, Shard(core.dim))
-    for kind, (placements, wanted) in _KINDS[core.kind].items():
+        return placements, (Slot(None, Shard(core.dim)),)
+    for kind, (placements, wanted) in _kinds(core).items():
         if isinstance(module, kind):
             own = {n: p for n, p in placements.items() if getattr(module, n, None) is not None}
-            return own, Slot(None, wanted)
+            return own, (Slot(None, wanted),)
     return f"{core!r} at {where}: it shards nn.Linear and nn.Embedding, not {type(module).__name__}."
 
 
@@ -149,17 +151,27 @@ def _fold_style(style: Style, module: nn.Module, fqn: str):
             kwargs = _fold_named(kwargs, stage.kwargs, "keyword input")
             in_local = stage.local if stage.local is not None else in_local
         elif isinstance(stage, Core):
-            kernel = _core(stage, module, where)
-            if isinstance(kernel, str):
-                found.append(kernel)
+            resolved = _core(stage, module, where)
+            if isinstance(resolved, str):
+                found.append(resolved)
                 continue
-            core_params, slot = kernel
+            core_params, slots = resolved
             for name, placement in core_params.items():
                 place(name, placement, repr(stage))
-            inputs = _fold(inputs, (slot,), "input")
+            inputs = _fold(inputs, slots, "input")
             kernel = kernel_for(stage, module)
             in_local = kernel is not None  # else the module computes on DTensors
-            outputs = _fold(outputs, (stage.output,), "output")
+            outputs = _fold(outputs, stage.outputs, "output")
+            out_local = stage.local
+        elif isinstance(stage, OnShards):
+            for name, _ in stage.param_grads:
+                if name not in dict(module.named_parameters()):
+                    own = [n for n, _ in module.named_parameters()]
+                    found.append(f"{stage!r} at {where}: no parameter {name!r}; it has "
+                                 f"{', '.join(own) or 'none'}{_near(name, own)}.")
+            inputs = _fold(inputs, tuple(Slot(None, w) for w in stage.wants), "input")
+            kernel, in_local = on_shards_kernel(stage), True
+            outputs = _fold(outputs, stage.outputs, "output")
             out_local = stage.local
         elif isinstance(stage, Outputs):
             outputs = _fold(outputs, stage.slots, "output")

@@ -147,9 +147,9 @@ def _output_hook(spec, mesh):
 class _LocalHooks:
     """The hooks of a module whose core computes on local tensors (``tpfn.local``).
 
-    ``enter`` moves input 0 to the core's layout, prepares any other inputs, and hands the
-    module its parameters' local shards; ``leave`` puts the parameters back (also when the
-    forward raised) and moves the output to the wanted layout.
+    ``enter`` moves each input the kernel computes with to its layout, prepares any other
+    inputs, and hands the module its parameters' local shards; ``leave`` puts the
+    parameters back (also when the forward raised) and moves the output to the wanted layout.
     """
 
     def __init__(self, mount, mesh):
@@ -159,38 +159,42 @@ class _LocalHooks:
     def enter(self, module, args, kwargs):
         spec, kernel = self.mount.inputs, self.kernel
         args, kwargs = list(args), dict(kwargs)
-        name = spec.names[0] if spec.names else None
-        if args:
-            args[0], shape = self._input(args[0], spec.slots[0])
-        else:
-            kwargs[name], shape = self._input(kwargs[name], spec.slots[0])
-        rest = InputSpec((Slot(),) + spec.slots[1:], spec.kwargs, spec.names, True, spec.where)
-        args, kwargs = prepare_inputs(tuple(args), kwargs, rest, self.mesh)
-        mask = None
-        if kernel.vocab:
-            args = list(args)
-            if args:
-                args[0], mask = vocab_mask(args[0], module, self.mesh)
+        first_shape, mask = None, None
+        rest = list(spec.slots)
+        for i, (wanted, grad) in enumerate(kernel.inputs):
+            if wanted is None:
+                continue
+            rest[i] = Slot()
+            if i < len(args):
+                holder, key = args, i
+            elif i < len(spec.names) and spec.names[i] in kwargs:
+                holder, key = kwargs, spec.names[i]
             else:
-                kwargs[name], mask = vocab_mask(kwargs[name], module, self.mesh)
+                continue  # an optional input not passed
+            holder[key], shape = self._input(holder[key], spec.slots[i], grad, i)
+            if i == 0:
+                first_shape = shape
+                if kernel.vocab:
+                    holder[key], mask = vocab_mask(holder[key], module, self.mesh)
+        others = InputSpec(tuple(rest), spec.kwargs, spec.names, True, spec.where)
+        args, kwargs = prepare_inputs(tuple(args), kwargs, others, self.mesh)
         views = local_params(module, kernel, self.mesh)
-        self.calls.append(({n: module._parameters[n] for n in views}, shape, mask))
+        self.calls.append(({n: module._parameters[n] for n in views}, first_shape, mask))
         module._parameters.update(views)
-        return tuple(args), kwargs
+        return args, kwargs
 
-    def _input(self, x, slot):
-        """Input 0 in the core's layout, as a local tensor, and its global shape."""
-        grad = self.kernel.input_grad
+    def _input(self, x, slot, grad, i):
+        """An input in the kernel's layout, as a local tensor, and its global shape."""
+        what = f"input {i} of {self.mount.inputs.where}"
         if isinstance(x, DTensor):
-            dt = _checked(x, slot, self.mesh, f"input 0 of {self.mount.inputs.where}")
+            dt = _checked(x, slot, self.mesh, what)
             wanted = to_torch(normalize(slot.desired, x.ndim)) if slot.desired else dt.placements
             if wanted != dt.placements:  # a no-op redistribute would reduce partial gradients
                 dt = dt.redistribute(self.mesh, wanted)
             grads = None if grad is None else to_torch(normalize(grad, x.ndim))
             return dt.to_local(grad_placements=grads), tuple(x.shape)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input 0 of {self.mount.inputs.where} is declared {slot!r} but is "
-                            f"{type(x).__name__}, not a tensor.")
+            raise TypeError(f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor.")
         given = slot.given if slot.given is not None else slot.desired
         shape = SHAPES.recall(x.shape, to_torch(normalize(given, x.ndim)), self.mesh)
         wanted = slot.desired if slot.desired is not None else given
@@ -201,13 +205,16 @@ class _LocalHooks:
         module._parameters.update(saved)
         if output is None:  # the forward raised; its error propagates
             return None
+        spec = self.mount.outputs
+        if self.kernel.output is None:
+            return prepare_outputs(output, spec, self.mesh)
         if mask is not None:
             output = output.masked_fill(mask.unsqueeze(-1), 0)
-        spec = self.mount.outputs
         slot = spec.slots[0]
         made = slot.given  # the kernel's output layout
         wanted = slot.desired if slot.desired is not None else made
-        out_shape = self.kernel.out_shape(module, shape)
+        out_shape = self.kernel.out_shape(module, shape) or SHAPES.recall(
+            output.shape, to_torch(normalize(made, output.ndim)), self.mesh)
         out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape)
         placements = to_torch(normalize(wanted, out.ndim))
         if spec.local:

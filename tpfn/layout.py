@@ -2,7 +2,9 @@
 
 A *placement* says what one mesh dimension does to a tensor:
 
-- ``Shard(dim)``: each rank holds one ``torch.chunk`` of tensor dimension ``dim``;
+- ``Shard(dim)``: each rank holds one ``torch.chunk`` of tensor dimension ``dim``
+  (``Shard(dim, parts=k)``: the dim packs ``k`` equal parts, e.g. a fused gate and up
+  projection, and each rank holds its chunk of every part);
 - ``Replicate()``: each rank holds the whole tensor;
 - ``Partial(op)``: each rank holds a term; the tensor is their reduction by ``op``.
 
@@ -25,6 +27,7 @@ from typing import Union
 
 import attrs
 from torch.distributed import tensor as _dt
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "Shard",
@@ -59,15 +62,31 @@ def _reduce_op(instance, attribute, value):
         raise ValueError(f"'{attribute.name}' must be in {REDUCE_OPS!r} (got {value!r}).")
 
 
-@attrs.frozen(slots=True)
+def _positive(instance, attribute, value):
+    _int(instance, attribute, value)
+    if value < 1:
+        raise ValueError(f"'{attribute.name}' must be at least 1 (got {value!r}).")
+
+
+@attrs.frozen(slots=True, repr=False)
 class Shard:
     """Each rank holds one ``torch.chunk`` of tensor dimension ``dim`` (negative counts from the end).
 
+    With ``parts=k`` the dim packs ``k`` equal parts side by side (a fused gate and up
+    projection: ``parts=2``); each rank holds its chunk of every part, concatenated, so a
+    local ``chunk(k)`` still separates the parts. DTensor calls this ``_StridedShard``.
+
     >>> Shard(0) == Shard(0), hash(Shard(0)) == hash(Shard(0))
     (True, True)
+    >>> Shard(0, parts=2)
+    Shard(dim=0, parts=2)
     """
 
     dim: int = attrs.field(validator=_int)
+    parts: int = attrs.field(default=1, validator=_positive)
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})" if self.parts == 1 else f"Shard(dim={self.dim}, parts={self.parts})"
 
 
 @attrs.frozen(slots=True)
@@ -79,17 +98,20 @@ class Replicate:
     """
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, repr=False)
 class Partial:
     """Each rank holds a term; the tensor is the reduction of the terms by ``op``.
 
     ``op`` is one of ``"sum"``, ``"avg"``, ``"max"``, ``"min"``.
 
-    >>> Partial()
-    Partial(op='sum')
+    >>> Partial(), Partial("max")
+    (Partial(), Partial(op='max'))
     """
 
     op: str = attrs.field(default="sum", validator=_reduce_op)
+
+    def __repr__(self):
+        return "Partial()" if self.op == "sum" else f"Partial(op={self.op!r})"
 
 
 Placement = Union[Shard, Replicate, Partial]
@@ -125,7 +147,7 @@ def normalize(layout, ndim: int) -> tuple:
     """The layout with every ``Shard`` dim made non-negative for a tensor of ``ndim`` dims.
 
     >>> normalize((Shard(-2), Partial()), ndim=2)
-    (Shard(dim=0), Partial(op='sum'))
+    (Shard(dim=0), Partial())
     >>> normalize(Shard(2), ndim=2)
     Traceback (most recent call last):
     ...
@@ -139,12 +161,14 @@ def normalize(layout, ndim: int) -> tuple:
                     f"{p!r} does not fit a tensor of {ndim} dims: "
                     f"a shard dim must lie in [{-ndim}, {ndim - 1}]."
                 )
-            p = Shard(p.dim % ndim)
+            p = Shard(p.dim % ndim, p.parts)
         out.append(p)
     return tuple(out)
 
 
 def _placement_to_torch(p):
+    if isinstance(p, Shard) and p.parts > 1:
+        return _StridedShard(p.dim, split_factor=p.parts)
     if isinstance(p, Shard):
         return _dt.Shard(p.dim)
     if isinstance(p, Replicate):
@@ -157,6 +181,8 @@ def to_torch(layout) -> tuple:
 
     >>> to_torch(Shard(1))
     (Shard(dim=1),)
+    >>> to_torch(Shard(0, parts=2))
+    (_StridedShard(dim=0, sf=2),)
     >>> type(to_torch(Replicate())[0]).__module__
     'torch.distributed.tensor.placement_types'
     """
@@ -166,6 +192,8 @@ def to_torch(layout) -> tuple:
 def _placement_from_torch(p):
     if type(p) is _dt.Shard:
         return Shard(p.dim)
+    if type(p) is _StridedShard:
+        return Shard(p.dim, parts=p.split_factor)
     if type(p) is _dt.Replicate:
         return Replicate()
     if isinstance(p, _dt.Partial) and p.reduce_op in REDUCE_OPS:

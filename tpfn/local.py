@@ -13,8 +13,8 @@ FSDP2 and checkpoints; the numbers are the ones DTensor computes.
 >>> from tpfn import colwise, rowwise
 >>> kernel_for(colwise().core, nn.Linear(4, 8)).output
 Shard(dim=-1)
->>> kernel_for(rowwise().core, nn.Linear(4, 8)).input_grad
-Shard(dim=-1)
+>>> kernel_for(rowwise().core, nn.Linear(4, 8)).inputs
+((Shard(dim=-1), Shard(dim=-1)),)
 """
 
 from __future__ import annotations
@@ -31,51 +31,65 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from tpfn.shapes import contiguous_strides
 from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
 
-__all__ = ["Kernel", "kernel_for", "move", "local_params", "vocab_mask"]
+__all__ = ["Kernel", "kernel_for", "on_shards_kernel", "move", "local_params", "vocab_mask"]
 
 
 @attrs.frozen
 class Kernel:
     """What a module computes on local tensors, in layouts.
 
-    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction);
-    ``input_grad``: the layout of the gradient it computes for input 0 (None: no gradient,
-    e.g. token ids); ``grads``: parameter name -> layout of its local gradient where that
-    differs from the parameter's own; ``partial_bias``: a bias added once to partial sums;
-    ``vocab``: an embedding sharded over its vocabulary (out-of-shard ids masked).
+    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction;
+    None: handed on untouched); ``inputs``: per positional input, ``(wanted, grad)``, the
+    layout it computes with and the layout of the gradient it computes for it (None: no
+    gradient, e.g. token ids); ``grads``: parameter name -> layout of its local gradient
+    where that differs from the parameter's own; ``partial_bias``: a bias added once to
+    partial sums; ``vocab``: an embedding sharded over its vocabulary (ids outside the
+    rank's slice masked).
     """
 
     output: object
-    input_grad: object
+    inputs: tuple = ()
     grads: tuple = ()
     partial_bias: bool = False
     vocab: bool = False
 
-    def out_shape(self, module: nn.Module, in_shape: tuple) -> tuple:
-        """The global shape of the output for an input of global shape ``in_shape``."""
+    def out_shape(self, module: nn.Module, in_shape):
+        """The global shape of the output for input 0 of global shape ``in_shape`` (None:
+        unknown to the kernel)."""
+        if in_shape is None:
+            return None
         if isinstance(module, nn.Linear):
             return (*in_shape[:-1], module.out_features)
         if isinstance(module, nn.Embedding):
             return (*in_shape, module.embedding_dim)
-        return in_shape
+        if self.inputs and self.inputs[0][0] == self.output:  # per position: shape kept
+            return in_shape
+        return None
 
 
 def kernel_for(core, module: nn.Module):
-    """The kernel of a core on a module, or None where only DTensor knows the layouts."""
+    """The kernel of a built-in core on a module, or None where only DTensor knows the layouts."""
     kind = type(module)
     if core.kind == "sequence_parallel":
         replicated = tuple((n, Partial()) for n, _ in module.named_parameters())
-        return Kernel(Shard(core.dim), Shard(core.dim), grads=replicated)
+        seq = Shard(core.dim)
+        return Kernel(seq, ((seq, seq),), grads=replicated)
     if kind.forward is nn.Linear.forward:
         if core.kind == "colwise":
-            return Kernel(Shard(-1), Partial())
-        return Kernel(Partial(), Shard(-1), partial_bias=module.bias is not None)
+            return Kernel(Shard(-1, core.parts), ((Replicate(), Partial()),))
+        features = Shard(-1, core.parts)
+        return Kernel(Partial(), ((features, features),), partial_bias=module.bias is not None)
     if kind.forward is nn.Embedding.forward and module.max_norm is None:
         if core.kind == "colwise":
-            return Kernel(Shard(-1), None)
+            return Kernel(Shard(-1, core.parts), ((Replicate(), None),))
         if module.padding_idx is None:
-            return Kernel(Partial(), None, vocab=True)
+            return Kernel(Partial(), ((Replicate(), None),), vocab=True)
     return None
+
+
+def on_shards_kernel(stage) -> Kernel:
+    """The kernel an ``on_shards(...)`` stage states."""
+    return Kernel(stage.output, tuple(zip(stage.wants, stage.grads)), grads=stage.param_grads)
 
 
 def cotangent_placement(p):

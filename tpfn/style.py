@@ -20,7 +20,8 @@ Stages:
 
 - ``prepare_in(...)`` / ``prepare_out(...)``: slot layouts for inputs / outputs;
 - ``colwise()``, ``rowwise()``, ``sequence_parallel()``: the *core*, how the module itself
-  is sharded (parameters, the layout its computation takes and gives);
+  is sharded (parameters, the layout its computation takes and gives); ``on_shards(...)``
+  states the same for any module;
 - ``params(...)``, ``replicate()``: parameter placements for any module.
 
 Inputs come before the core, outputs after it, at most one core; ``params`` go anywhere.
@@ -39,10 +40,12 @@ __all__ = [
     "Inputs",
     "Outputs",
     "Core",
+    "OnShards",
     "Params",
     "colwise",
     "rowwise",
     "sequence_parallel",
+    "on_shards",
     "replicate",
     "params",
     "prepare_in",
@@ -181,26 +184,61 @@ class Core:
 
     kind: str
     dim: int = 1
+    parts: int = 1
     local: object = None
 
     def __repr__(self):
         args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
+        if self.parts != 1:
+            args.append(f"parts={self.parts}")
         if self.local is not None:
             args.append(f"local={self.local!r}")
         return f"{self.kind}({', '.join(args)})"
 
     @property
-    def output(self) -> Slot:
+    def outputs(self) -> tuple:
         """The layout the core's computation gives (independent of the module kind)."""
-        return {
-            "colwise": Slot(Shard(-1)),
+        return ({
+            "colwise": Slot(Shard(-1, self.parts)),
             "rowwise": Slot(Partial(), Replicate()),
             "sequence_parallel": Slot(Shard(self.dim)),
-        }[self.kind]
+        }[self.kind],)
 
     @property
     def default_local(self) -> bool:
         return self.kind != "sequence_parallel"
+
+
+@attrs.frozen(repr=False)
+class OnShards:
+    """Stage: the module computes on local tensors in the layouts given (see ``on_shards``)."""
+
+    wants: tuple = ()
+    grads: tuple = ()
+    output: object = None
+    param_grads: tuple = ()
+    local: object = None
+
+    def __repr__(self):
+        args = [repr(w) for w in self.wants]
+        uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
+        if self.grads != self.wants:
+            broadcast = len(uniform) == 1 and self.grads == tuple(
+                None if w is None else next(iter(uniform)) for w in self.wants)
+            args.append(f"grads={next(iter(uniform))!r}" if broadcast else f"grads={self.grads!r}")
+        if self.output is not None:
+            args.append(f"output={self.output!r}")
+        if self.param_grads:
+            args.append(f"param_grads={dict(self.param_grads)!r}")
+        if self.local is not None:
+            args.append(f"local={self.local!r}")
+        return f"on_shards({', '.join(args)})"
+
+    @property
+    def outputs(self) -> tuple:
+        return (Slot(self.output),) if self.output is not None else ()
+
+    default_local = True
 
 
 @attrs.frozen(repr=False)
@@ -233,7 +271,7 @@ def _well_formed(instance, attribute, stages):
                 )
             inputs = _fold(inputs, stage.slots, "input")
             kwargs = _fold_named(kwargs, stage.kwargs, "keyword input")
-        elif isinstance(stage, Core):
+        elif isinstance(stage, (Core, OnShards)):
             if seen_core:
                 raise StyleError(
                     f"{seen_core!r} >> {stage!r}: a style shards its module one way; bind "
@@ -245,7 +283,7 @@ def _well_formed(instance, attribute, stages):
                     f"module computes; write {stage!r} >> {seen_outputs!r}."
                 )
             seen_core = stage
-            outputs = _fold(outputs, (stage.output,), "output")
+            outputs = _fold(outputs, stage.outputs, "output")
         elif isinstance(stage, Outputs):
             seen_outputs = seen_outputs or stage
             outputs = _fold(outputs, stage.slots, "output")
@@ -297,15 +335,21 @@ class Style:
 
     @property
     def core(self):
-        """The core stage, or None."""
-        return next((s for s in self.stages if isinstance(s, Core)), None)
+        """The core stage (``Core`` or ``OnShards``), or None."""
+        return next((s for s in self.stages if isinstance(s, (Core, OnShards))), None)
 
 
 def _local(local):
     return _flag("'local'", local)
 
 
-def colwise(*, local: bool | None = None) -> Style:
+def _parts(parts):
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise TypeError(f"'parts' must be a positive int (got {parts!r} that is a {type(parts)!r}).")
+    return parts
+
+
+def colwise(*, parts: int = 1, local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (its output features).
 
     - ``nn.Linear``: ``weight`` and ``bias`` become ``Shard(0)`` (output features).
@@ -313,6 +357,9 @@ def colwise(*, local: bool | None = None) -> Style:
     - Input 0 is wanted ``Replicate()``; a plain tensor is taken to be replicated, a DTensor
       is redistributed. The backward all-reduces the input's gradient.
     - Output 0 is ``Shard(-1)``, handed on as a local tensor (``local=False``: a DTensor).
+    - ``parts=k``: the output features pack ``k`` equal parts (a fused gate and up
+      projection): each rank gets its slice of every part, ``Shard(0, parts=k)``, and its
+      local output still ``chunk(k)``-s into the parts.
 
     Same as PyTorch's ``ColwiseParallel()``.
 
@@ -321,10 +368,10 @@ def colwise(*, local: bool | None = None) -> Style:
     >>> prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate())
     prepare_in(Shard(dim=1)) >> colwise() >> prepare_out(Replicate())
     """
-    return Style((Core("colwise", local=_local(local)),))
+    return Style((Core("colwise", parts=_parts(parts), local=_local(local)),))
 
 
-def rowwise(*, local: bool | None = None) -> Style:
+def rowwise(*, parts: int = 1, local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (its input features / vocabulary).
 
     - ``nn.Linear``: ``weight`` becomes ``Shard(1)`` (input features), ``bias`` ``Replicate()``.
@@ -334,13 +381,15 @@ def rowwise(*, local: bool | None = None) -> Style:
     - The computation leaves partial sums, ``Partial()``, reduced to output 0 as
       ``Replicate()`` by an all-reduce (``>> prepare_out(Shard(1))``: one reduce-scatter),
       handed on as a local tensor (``local=False``: a DTensor).
+    - ``parts=k``: the input features pack ``k`` equal parts; ``weight`` becomes
+      ``Shard(1, parts=k)`` and input 0 is wanted ``Shard(-1, parts=k)``.
 
     Same as PyTorch's ``RowwiseParallel()`` (with replicated ids for embeddings).
 
     >>> rowwise() >> prepare_out(Shard(1))
     rowwise() >> prepare_out(Shard(dim=1))
     """
-    return Style((Core("rowwise", local=_local(local)),))
+    return Style((Core("rowwise", parts=_parts(parts), local=_local(local)),))
 
 
 def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
@@ -362,6 +411,43 @@ def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"'dim' must be {int!r} (got {dim!r} that is a {type(dim)!r}).")
     return Style((Core("sequence_parallel", dim=dim, local=_local(local)),))
+
+
+def on_shards(*wants, grads=None, output=None, param_grads=None, local: bool | None = None) -> Style:
+    """The module computes on local tensors: its parameters' local shards, its inputs in ``wants``.
+
+    For any module whose layouts you know (a mixture of experts, a per-head norm): tpfn then
+    runs it like a built-in core, without DTensor's per-op dispatch.
+
+    - ``wants``: per positional input, the layout the module computes with (``None``:
+      untouched); the input is moved there once.
+    - ``grads``: per input (or one for all), the layout of the gradient the module computes
+      for it (default: ``wants``; an input replicated into a computation sharded on its
+      output features gets ``Partial()`` gradients).
+    - ``output``: the layout of the module's local output (``None``: handed on untouched).
+    - ``param_grads``: parameter name -> layout of its local gradient where it differs from
+      the parameter's own (a replicated parameter used on a shard gets ``Partial()``).
+
+    ``colwise()`` on an ``nn.Linear`` is ``params(weight=Shard(0), bias=Shard(0)) >>
+    on_shards(Replicate(), grads=Partial(), output=Shard(-1))``.
+
+    >>> params(w=Shard(0)) >> on_shards(Replicate(), grads=Partial(), output=Partial())
+    params(w=Shard(dim=0)) >> on_shards(Replicate(), grads=Partial(), output=Partial())
+    >>> replicate() >> on_shards(param_grads={"weight": Partial()})
+    replicate() >> on_shards(param_grads={'weight': Partial()})
+    """
+    wants = tuple(_placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
+    if is_placement(grads):  # one layout for every input the module computes with
+        grads = tuple(None if w is None else grads for w in wants)
+    grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants))
+    output = _placement_or_none("on_shards: 'output'", output)
+    rules = []
+    for name, placement in (param_grads or {}).items():
+        if not isinstance(name, str) or not is_placement(placement):
+            raise TypeError(f"on_shards: 'param_grads' maps parameter names to placements "
+                            f"(got {name!r}: {placement!r}).")
+        rules.append((name, placement))
+    return Style((OnShards(wants, grads, output, tuple(sorted(rules)), _local(local)),))
 
 
 def replicate() -> Style:

@@ -1,0 +1,165 @@
+"""Packed parts and ``on_shards``: fused projections and modules tpfn has no built-in style for."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TPartial
+
+import tpfn
+from tests.models import clone, counts, max_rel_err, rel_err
+from tests.ranks import mesh
+from tpfn import (
+    Partial, Replicate, Shard, colwise, on_shards, params, prepare_in, prepare_out, replicate,
+    rowwise,
+)
+from tpfn.bind import bind
+
+TOL = 1e-5
+
+
+def test_on_shards_is_a_core_that_states_its_layouts():
+    style = params(w=Shard(0)) >> on_shards(Replicate(), None, grads=(Partial(), None),
+                                            output=Partial()) >> prepare_out(Replicate())
+    assert eval(repr(style), {n: getattr(tpfn, n) for n in tpfn.__all__}) == style
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 2))
+
+        def forward(self, x, index):
+            return x
+
+    m = bind(style, M())
+    assert m.kernel.inputs == ((Replicate(), Partial()), (None, None))
+    assert m.kernel.output == Partial() and m.inputs.local is True
+    assert m.outputs.slots[0].given == Partial() and m.outputs.slots[0].desired == Replicate()
+    assert bind(colwise(parts=2), nn.Linear(2, 8)).params == (
+        ("bias", Shard(0, parts=2)), ("weight", Shard(0, parts=2)))
+    assert repr(colwise(parts=2)) == "colwise(parts=2)"
+
+
+class GatedMLP(nn.Module):
+    """A fused gate and up projection, as Phi-3 and many MoE experts pack them."""
+
+    def __init__(self, dim=8, hidden=12):
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def _packed_gate_up():
+    m = mesh(2)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = GatedMLP()
+    tp = tpfn.parallelize(clone(ref), m, {"gate_up": colwise(parts=2), "down": rowwise()})
+    w = tp.gate_up.weight
+    gate, up = ref.gate_up.weight.chunk(2)
+    assert torch.equal(w.to_local(), torch.cat([gate.chunk(2)[rank], up.chunk(2)[rank]]))
+    assert torch.equal(w.full_tensor(), ref.gate_up.weight)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = tp(x2), ref(x)
+    assert rel_err(out, expected) <= TOL
+    out.sum().backward(), expected.sum().backward()
+    assert rel_err(x2.grad, x.grad) <= TOL
+    assert max(max_rel_err(tp, ref, grads=True).values()) <= TOL
+    return True
+
+
+def test_a_packed_projection_gives_each_rank_its_slice_of_every_part(ranks2):
+    assert all(ranks2.run(_packed_gate_up))
+
+
+class Experts(nn.Module):
+    """Dense experts weighted by a router: ``sum_e w[t, e] * expert_e(x[t])``."""
+
+    def __init__(self, n=4, dim=8, hidden=6):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(n, 2 * hidden, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(n, dim, hidden) / hidden**0.5)
+
+    def forward(self, x, weights):
+        gate, up = torch.einsum("td,ehd->teh", x, self.gate_up).chunk(2, dim=-1)
+        y = torch.einsum("teh,edh->ted", F.silu(gate) * up, self.down)
+        return torch.einsum("ted,te->td", y, weights)
+
+
+EXPERTS = (
+    params(gate_up=Shard(1, parts=2), down=Shard(2))
+    >> on_shards(Replicate(), Replicate(), grads=Partial(), output=Partial())
+    >> prepare_out(Replicate())
+)
+
+
+def _experts():
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = Experts()
+    tp = tpfn.parallelize(clone(ref), m, EXPERTS)
+    x = torch.randn(5, 8, requires_grad=True)
+    weights = torch.softmax(torch.randn(5, 4), -1).requires_grad_()
+    x2, w2 = (t.detach().clone().requires_grad_() for t in (x, weights))
+    expected = ref(x, weights)
+    comm = counts(lambda: tp(x2, w2).pow(2).sum().backward())
+    expected.pow(2).sum().backward()
+    assert rel_err(tp(x2, w2), expected) <= TOL
+    assert rel_err(x2.grad, x.grad) <= TOL and rel_err(w2.grad, weights.grad) <= TOL
+    assert max(max_rel_err(tp, ref, grads=True).values()) <= TOL
+    return comm
+
+
+def test_on_shards_runs_a_mixture_of_experts_on_its_shards(ranks2):
+    # One all-reduce of the partial output; one each for the two inputs' partial gradients.
+    assert ranks2.run(_experts)[0] == {"all_reduce": 3}
+
+
+class HeadNorm(nn.Module):
+    """q, k normalized per head after a column-wise projection (Qwen3's q_norm / k_norm)."""
+
+    def __init__(self, dim=8, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim // heads)
+        nn.init.normal_(self.norm.weight)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        q = self.q(x)
+        q = self.norm(q.view(*q.shape[:-1], -1, self.q.in_features // self.heads))
+        return self.o(q.flatten(-2))
+
+
+def _per_head_norm():
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = HeadNorm()
+    tp = tpfn.parallelize(clone(ref), m, {
+        "q": colwise(), "o": rowwise(),
+        "norm": replicate() >> on_shards(param_grads={"weight": Partial()}),
+    })
+    x = torch.randn(2, 3, 8)
+    tp(x).sum().backward()
+    ref(x).sum().backward()
+    assert isinstance(tp.norm.weight, DTensor)
+    assert tp.norm.weight.grad.placements == (TPartial(),)  # each rank saw its own heads
+    assert rel_err(tp.norm.weight.grad, ref.norm.weight.grad) <= TOL
+    assert max(max_rel_err(tp, ref, grads=True).values()) <= TOL
+    return True
+
+
+def test_a_replicated_norm_on_local_heads_gets_partial_gradients(ranks2):
+    assert all(ranks2.run(_per_head_norm))
+
+
+def test_prepare_in_before_on_shards_folds_into_its_slot():
+    m = bind(prepare_in(Shard(0)) >> on_shards(Replicate(), grads=Partial()), nn.Identity())
+    assert m.inputs.slots[0].given == Shard(0) and m.inputs.slots[0].desired == Replicate()
