@@ -9,6 +9,7 @@ from tpfn.errors import LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.interpret import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
+from tpfn.loss import cross_entropy
 from tpfn.plan import Plan, plan, resolve
 from tpfn.style import (
     Style,
@@ -29,6 +30,7 @@ __all__ = [
     "prepare_in", "prepare_out", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
+    "cross_entropy",
     "PlanError", "LayoutError", "StyleError",
     "algebra", "trace",
 ]

@@ -1,0 +1,138 @@
+"""Cross-entropy on logits sharded over the classes, without ever gathering them.
+
+A column-wise output head leaves each rank a slice of the vocabulary for every token. The
+loss needs, per token, the max logit, the sum of exponentials, the target's logit (and,
+with label smoothing, the weighted sum of logits): per-token statistics, reduced over the
+mesh in two all-reduces. The backward needs no communication at all: each rank computes the
+gradient of its own slice from the statistics.
+
+It is a function, not a global patch: other ``log_softmax`` calls keep their own
+gradients.
+
+>>> import torch, torch.nn.functional as F
+>>> from torch.distributed.device_mesh import init_device_mesh
+>>> from torch.distributed.tensor import distribute_tensor, Shard
+>>> mesh = init_device_mesh("cpu", (1,))
+>>> logits, target = torch.randn(6, 10), torch.tensor([1, 0, 9, 4, 4, 2])
+>>> sharded = distribute_tensor(logits, mesh, [Shard(1)])
+>>> torch.allclose(cross_entropy(sharded, target, label_smoothing=0.1),
+...                F.cross_entropy(logits, target, label_smoothing=0.1))
+True
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from tpfn.layout import Shard, from_torch, normalize
+from tpfn.shapes import SHAPES
+
+__all__ = ["cross_entropy"]
+
+
+def _reduce(t: torch.Tensor, op: str, mesh) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(t, op, (mesh, 0)))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses from a local slice of the classes (``x``: tokens x local classes).
+
+    With ``s`` the logits shifted by their max, ``lse`` the log-sum-exp of ``s``, ``w`` the
+    class weights (ones without), ``W`` their sum, ``y`` the target and ``eps`` the label
+    smoothing over ``C`` classes, the loss of a token is
+    ``(1 - eps) w_y (lse - s_y) + eps / C (W lse - sum_c w_c s_c)``, as ``F.cross_entropy``
+    computes it, and its gradient is ``(1 - eps) w_y (p - onehot_y) + eps / C (W p - w)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, target, weight, offset, n_classes, ignore_index, eps, mesh):
+        local = x.shape[-1]
+        ignored = target == ignore_index
+        inside = (target >= offset) & (target < offset + local) & ~ignored
+        picked = torch.where(inside, target - offset, 0).unsqueeze(-1)
+        high = _reduce(x.amax(dim=-1), "max", mesh)
+        shifted = x - high.unsqueeze(-1)
+        exp = shifted.exp()
+        w = weight[offset:offset + local] if weight is not None else None
+        stats = [exp.sum(-1), torch.where(inside, shifted.gather(-1, picked).squeeze(-1), 0)]
+        if eps:
+            stats.append((shifted * w).sum(-1) if w is not None else shifted.sum(-1))
+        stats = _reduce(torch.stack(stats), "sum", mesh)
+        lse = stats[0].log()
+        w_y = weight[torch.where(ignored, 0, target)] if weight is not None else 1.0
+        w_total = weight.sum() if weight is not None else n_classes
+        loss = (1 - eps) * w_y * (lse - stats[1])
+        if eps:
+            loss = loss + eps / n_classes * (w_total * lse - stats[2])
+        ctx.save_for_backward(exp / stats[0].unsqueeze(-1), picked, inside, ignored)
+        ctx.constants = (w_y, w, w_total, eps, n_classes)
+        return torch.where(ignored, 0, loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, picked, inside, ignored = ctx.saved_tensors
+        w_y, w, w_total, eps, n_classes = ctx.constants
+        g = torch.where(ignored, 0, grad)
+        a = (1 - eps) * w_y * g  # weight of (p - onehot_y)
+        b = eps / n_classes * g  # weight of (W p - w)
+        d = (a + b * w_total).unsqueeze(-1) * p
+        d = d.scatter_add(-1, picked, -(a * inside).unsqueeze(-1).to(d.dtype))
+        if eps:
+            d = d - b.unsqueeze(-1) * (w if w is not None else 1.0)
+        return d, None, None, None, None, None, None, None
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index: int = -100,
+                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
+                  mesh=None) -> torch.Tensor:
+    """``F.cross_entropy`` on logits sharded over the class dim, without gathering them.
+
+    ``input`` is a DTensor sharded on its class dim (dim 1, or 0 for one sample: the output
+    of a column-wise head kept as a DTensor, ``colwise(local=False)``), or a local tensor with
+    ``mesh`` given. ``target`` holds class indices, replicated. The other arguments are
+    ``F.cross_entropy``'s: class ``weight`` (the whole vector), ``ignore_index``,
+    ``reduction`` (``"mean"``, ``"sum"``, ``"none"``), ``label_smoothing``. Returns a plain
+    tensor, the same on every rank. Forward: two all-reduces of per-token statistics;
+    backward: none.
+    """
+    if size_average is not None or reduce is not None:
+        raise TypeError("cross_entropy: size_average and reduce are deprecated in torch; use reduction=.")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: 'reduction' must be 'mean', 'sum' or 'none' (got {reduction!r}).")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: 'label_smoothing' must lie in [0, 1] (got {label_smoothing!r}).")
+    if target.is_floating_point():
+        raise ValueError("cross_entropy: target must hold class indices; class probabilities would "
+                         "have to be sharded like the logits, which tpfn does not do.")
+    class_dim = 1 if input.dim() >= 2 else 0
+    if isinstance(input, DTensor):
+        layout = normalize(from_torch(input.placements), input.dim())
+        if layout != (Shard(class_dim),):
+            raise ValueError(
+                f"cross_entropy: logits must be sharded on their class dim {class_dim}, like "
+                f"F.cross_entropy's input; got {layout}. End the head with colwise(local=False), "
+                "and move the classes to dim 1 (logits.flatten(0, -2) for (batch, seq, vocab))."
+            )
+        mesh, n_classes, x = input.device_mesh, input.shape[class_dim], input.to_local()
+    elif mesh is None:
+        raise TypeError("cross_entropy: give the sharded logits as a DTensor, or a local tensor with mesh=.")
+    else:
+        x = input
+        n_classes = SHAPES.recall(x.shape, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
+    x = x.movedim(class_dim, -1)
+    shape = x.shape[:-1]
+    chunk = -(-n_classes // mesh.size())
+    offset = min(mesh.get_local_rank() * chunk, n_classes)
+    losses = _VocabParallelCrossEntropy.apply(
+        x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, offset, n_classes,
+        ignore_index, float(label_smoothing), mesh).reshape(shape)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    kept = target != ignore_index
+    if weight is None:
+        return losses.sum() / kept.sum()
+    return losses.sum() / weight[torch.where(kept, target, 0)].masked_fill(~kept, 0).sum()
