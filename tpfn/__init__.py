@@ -4,7 +4,7 @@ Layouts (``Shard``, ``Replicate``, ``Partial``), styles composed with ``>>``, pl
 module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
-from tpfn import algebra, trace
+from tpfn import algebra, checkpoint, trace
 from tpfn.errors import LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.interpret import mounted, parallelize
@@ -32,5 +32,5 @@ __all__ = [
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy",
     "PlanError", "LayoutError", "StyleError",
-    "algebra", "trace",
+    "algebra", "checkpoint", "trace",
 ]
