@@ -7,6 +7,7 @@ module FQN patterns to styles, and one interpreter, ``parallelize``.
 from tpfn import algebra, checkpoint, trace
 from tpfn.errors import LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
+from tpfn.grads import clip_grad_norm_
 from tpfn.interpret import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.loss import cross_entropy
@@ -30,7 +31,7 @@ __all__ = [
     "prepare_in", "prepare_out", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
-    "cross_entropy",
+    "cross_entropy", "clip_grad_norm_",
     "PlanError", "LayoutError", "StyleError",
     "algebra", "checkpoint", "trace",
 ]
