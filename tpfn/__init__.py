@@ -4,7 +4,7 @@ Layouts (``Shard``, ``Replicate``, ``Partial``), styles composed with ``>>``, pl
 module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
-from tpfn import algebra, checkpoint, trace
+from tpfn import algebra, checkpoint, rng, trace
 from tpfn.errors import LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import clip_grad_norm_
@@ -33,5 +33,5 @@ __all__ = [
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
     "PlanError", "LayoutError", "StyleError",
-    "algebra", "checkpoint", "trace",
+    "algebra", "checkpoint", "rng", "trace",
 ]

@@ -7,6 +7,7 @@ communication), and only then swaps the parameters in and mounts the hooks.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -19,8 +20,9 @@ from tpfn.errors import PlanError
 from tpfn.fns import checked as _checked
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import from_torch, normalize, to_torch
-from tpfn.local import cotangent_placement, local_params, move, vocab_mask
+from tpfn.local import cotangent_placement, dropout_slice, local_params, move, vocab_mask
 from tpfn.plan import resolve
+from tpfn.rng import sharded
 from tpfn.shapes import SHAPES, contiguous_strides
 from tpfn.style import Slot
 
@@ -159,7 +161,7 @@ class _LocalHooks:
     def enter(self, module, args, kwargs):
         spec, kernel = self.mount.inputs, self.kernel
         args, kwargs = list(args), dict(kwargs)
-        first_shape, mask = None, None
+        first, first_shape, mask, noise = None, None, None, None
         rest = list(spec.slots)
         for i, (wanted, grad) in enumerate(kernel.inputs):
             if wanted is None:
@@ -173,13 +175,22 @@ class _LocalHooks:
                 continue  # an optional input not passed
             holder[key], shape = self._input(holder[key], spec.slots[i], grad, i)
             if i == 0:
-                first_shape = shape
+                first, first_shape = holder[key], shape
                 if kernel.vocab:
                     holder[key], mask = vocab_mask(holder[key], module, self.mesh)
         others = InputSpec(tuple(rest), spec.kwargs, spec.names, True, spec.where)
         args, kwargs = prepare_inputs(tuple(args), kwargs, others, self.mesh)
         views = local_params(module, kernel, self.mesh)
-        self.calls.append(({n: module._parameters[n] for n in views}, first_shape, mask))
+        random = contextlib.ExitStack()
+        if kernel.random == "slice" and module.training and module.p > 0:
+            dim = normalize(kernel.output, first.ndim)[0].dim
+            noise = dropout_slice(module, first, first_shape, dim, self.mesh)
+            random.callback(setattr, module, "training", True)
+            module.training = False  # the noise is drawn here; the module passes x through
+        elif kernel.random == "fork":
+            random.enter_context(sharded(self.mesh))
+        self.calls.append(({n: module._parameters[n] for n in views}, first_shape, mask, noise,
+                           random))
         module._parameters.update(views)
         return args, kwargs
 
@@ -201,15 +212,18 @@ class _LocalHooks:
         return move(x, given, wanted, grad, self.mesh, shape), shape
 
     def leave(self, module, args, output):
-        saved, shape, mask = self.calls.pop()
+        saved, shape, mask, noise, random = self.calls.pop()
         module._parameters.update(saved)
+        random.close()
         if output is None:  # the forward raised; its error propagates
             return None
         spec = self.mount.outputs
         if self.kernel.output is None:
             return prepare_outputs(output, spec, self.mesh)
-        if mask is not None:
+        if mask is not None:  # ids outside this rank's vocabulary
             output = output.masked_fill(mask.unsqueeze(-1), 0)
+        if noise is not None:
+            output = output * noise
         slot = spec.slots[0]
         made = slot.given  # the kernel's output layout
         wanted = slot.desired if slot.desired is not None else made

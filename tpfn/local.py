@@ -31,7 +31,9 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from tpfn.shapes import contiguous_strides
 from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
 
-__all__ = ["Kernel", "kernel_for", "on_shards_kernel", "move", "local_params", "vocab_mask"]
+__all__ = [
+    "Kernel", "kernel_for", "on_shards_kernel", "move", "local_params", "vocab_mask", "dropout_slice",
+]
 
 
 @attrs.frozen
@@ -44,7 +46,9 @@ class Kernel:
     gradient, e.g. token ids); ``grads``: parameter name -> layout of its local gradient
     where that differs from the parameter's own; ``partial_bias``: a bias added once to
     partial sums; ``vocab``: an embedding sharded over its vocabulary (ids outside the
-    rank's slice masked).
+    rank's slice masked); ``random``: how its random draws are made on shards, ``"fork"``
+    (each rank its own stream, ``tpfn.rng.sharded``) or ``"slice"`` (an ``nn.Dropout``
+    applies its slice of the whole tensor's mask, as one device draws it).
     """
 
     output: object
@@ -52,6 +56,7 @@ class Kernel:
     grads: tuple = ()
     partial_bias: bool = False
     vocab: bool = False
+    random: object = None
 
     def out_shape(self, module: nn.Module, in_shape):
         """The global shape of the output for input 0 of global shape ``in_shape`` (None:
@@ -73,7 +78,8 @@ def kernel_for(core, module: nn.Module):
     if core.kind == "sequence_parallel":
         replicated = tuple((n, Partial()) for n, _ in module.named_parameters())
         seq = Shard(core.dim)
-        return Kernel(seq, ((seq, seq),), grads=replicated)
+        random = "slice" if kind.forward is nn.Dropout.forward else "fork"
+        return Kernel(seq, ((seq, seq),), grads=replicated, random=random)
     if kind.forward is nn.Linear.forward:
         if core.kind == "colwise":
             return Kernel(Shard(-1, core.parts), ((Replicate(), Partial()),))
@@ -89,7 +95,8 @@ def kernel_for(core, module: nn.Module):
 
 def on_shards_kernel(stage) -> Kernel:
     """The kernel an ``on_shards(...)`` stage states."""
-    return Kernel(stage.output, tuple(zip(stage.wants, stage.grads)), grads=stage.param_grads)
+    return Kernel(stage.output, tuple(zip(stage.wants, stage.grads)), grads=stage.param_grads,
+                  random="fork")
 
 
 def cotangent_placement(p):
@@ -170,11 +177,19 @@ def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
 
 def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh):
     """(local ids, mask of ids outside this rank's vocabulary slice), as DTensor computes them."""
-    n, rank, vocab = mesh.size(), mesh.get_local_rank(), module.num_embeddings
+    n, rank, vocab = mesh.size(), mesh.get_coordinate()[0], module.num_embeddings
     chunk = -(-vocab // n)
     offset = min(rank * chunk, vocab)
     size = max(0, min(vocab, offset + chunk) - offset)
     mask = (ids < offset) | (ids >= offset + size)
-    local = ids.clone() - offset
-    local[mask] = 0
-    return local, mask
+    return (ids - offset).masked_fill(mask, 0), mask
+
+
+def dropout_slice(module: nn.Dropout, local: torch.Tensor, global_shape: tuple, dim: int, mesh):
+    """This rank's slice of the dropout noise (mask / (1 - p)) one device draws for the
+    whole tensor: the same draws from the default generator, so the ranks stay in step."""
+    whole = torch.ones(global_shape, dtype=local.dtype, device=local.device)
+    noise = nn.functional.dropout(whole, module.p, training=True)
+    chunk = -(-global_shape[dim] // mesh.size())
+    start = min(mesh.get_coordinate()[0] * chunk, global_shape[dim])
+    return noise.narrow(dim, start, local.shape[dim])

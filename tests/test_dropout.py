@@ -1,0 +1,113 @@
+"""Dropout in tensor-parallel regions: the same mask where replicated, distinct where sharded,
+and the single device's masks where tpfn can draw them (sequence-parallel nn.Dropout)."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as TShard
+
+import tpfn
+from tests.models import clone, local_heads, transformer, transformer_plan
+from tests.ranks import mesh
+from tpfn import Replicate, Shard, on_shards, sequence_parallel
+
+
+def _gathered(t: torch.Tensor) -> list:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _sequence_parallel_dropout(seq):
+    m = mesh(2)
+    rank = dist.get_rank()
+    x = torch.randn(2, seq, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(0)
+    expected = F.dropout(x, 0.3, training=True)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    drop = tpfn.parallelize(nn.Dropout(0.3), m, sequence_parallel(local=True))
+    local = x.detach().chunk(2, dim=1)[rank].requires_grad_()
+    # A shard made here, not handed on by tpfn: a DTensor tells its global length.
+    got = drop(DTensor.from_local(local, m, [TShard(1)], shape=x.shape, stride=x.stride()))
+    got.sum().backward()
+    expected.sum().backward()
+    return (torch.equal(got, expected.chunk(2, dim=1)[rank]),
+            torch.equal(local.grad, x.grad.chunk(2, dim=1)[rank]),
+            torch.equal(torch.rand(3), after),     # the default stream moved as on one device
+            drop.training)                         # and the module is left as it was
+
+
+def test_sequence_parallel_dropout_draws_the_single_device_mask(ranks2):
+    for seq in (6, 7):
+        assert ranks2.run(_sequence_parallel_dropout, seq) == [(True,) * 4] * 2
+
+
+class Noisy(nn.Module):
+    """Dropout on an activation that is sharded across the ranks."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=True)
+
+
+def _sharded_masks():
+    m = mesh(2)
+    noisy = tpfn.parallelize(Noisy(), m, on_shards(Shard(1), output=Shard(1)))
+    local = torch.ones(2, 8)
+    tpfn.rng.manual_seed(0)
+    first = noisy(local)
+    after = torch.rand(4)
+    tpfn.rng.manual_seed(0)  # restarts the sharded streams too
+    again = noisy(local)
+    replicated = F.dropout(torch.ones(16), 0.5)  # on every rank: a replicated activation
+    torch.manual_seed(0)
+    untouched = torch.rand(4)
+    return (not torch.equal(*_gathered(first)),        # distinct per shard
+            torch.equal(first, again),                  # reproducible from the seed
+            torch.equal(after, untouched),              # the default stream did not move
+            torch.equal(*_gathered(replicated)))        # replicated: the same everywhere
+
+
+def test_sharded_masks_differ_and_replicated_masks_agree(ranks2):
+    assert ranks2.run(_sharded_masks) == [(True,) * 4] * 2
+
+
+def _loss_curve(sp):
+    """Dropout on the embeddings and both residual branches, attention dropout off."""
+    def build():
+        model = transformer(vocab_size=16, n_layers=2, dropout_p=0.2)
+        for layer in model.layers:
+            layer.attention.dropout_p = 0.0  # dropout inside SDPA cannot be sliced: see docs
+        return model
+
+    plan = transformer_plan(sp)
+    if sp:
+        plan.update({p: sequence_parallel(local=True) for p in (
+            "dropout", "layers.*.attention.resid_dropout", "layers.*.feed_forward.resid_dropout")})
+    curves = []
+    for tp in (None, 2):
+        torch.manual_seed(0)
+        model = build()
+        if tp:
+            local_heads(tpfn.parallelize(model, mesh(2), plan), 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        torch.manual_seed(7)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8))
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    return curves
+
+
+def test_training_with_dropout_follows_the_single_device_loss_curve(ranks2):
+    for sp in (False, True):
+        for single, parallel in ranks2.run(_loss_curve, sp):
+            assert all(abs(a - b) <= 1e-5 * a for a, b in zip(single, parallel)), (sp, single, parallel)
+            assert len(set(single)) == 3
