@@ -1,0 +1,50 @@
+"""Run a function on every rank: as is under torchrun, else on N local processes.
+
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) each process initializes the process
+group and runs the function. Run as a plain script, it starts the processes itself on
+127.0.0.1 (gloo on CPU, NCCL when each process has a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _init() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _worker(rank: int, world_size: int, port: int, main, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _init()
+    try:
+        main(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(main, nprocs: int, *args) -> None:
+    """``main(*args)`` on every rank of a ``nprocs``-process job."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _init()
+        try:
+            main(*args)
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(nprocs, port, main, args), nprocs=nprocs, start_method="spawn")

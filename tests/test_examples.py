@@ -1,0 +1,18 @@
+"""The example scripts run, on the test ranks, as their users would run them."""
+
+import os
+import sys
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _example(name: str, *args):
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    module = __import__(name)
+    return module.main(*args)
+
+
+def test_dp_x_tp_training_resumes_at_another_tp_degree(ranks4, tmp_path):
+    # main() asserts that the resumed losses continue the uninterrupted ones.
+    ranks4.run(_example, "train_dp_tp", str(tmp_path))
