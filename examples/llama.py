@@ -81,6 +81,15 @@ class Llama(nn.Module):
         return self.head(self.norm(h))
 
 
+def synthetic_batch(step: int, batch: int, seq: int, vocab: int):
+    """(tokens, targets) of training step ``step``, the same on every rank: sequences that
+    count in steps of 7 from a random start, so the next token is learnable."""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    tokens = (start + 7 * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def llama_plan(sequence_parallel_: bool = False, loss_parallel: bool = False):
     """Megatron's layout, at its communication minimum: q, k, v (and gate, up) share one
     annotated input, so each all-reduces its gradient once.

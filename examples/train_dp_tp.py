@@ -23,17 +23,9 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpfn  # noqa: E402
 from launch import device_type, run  # noqa: E402
-from llama import Llama, llama_plan  # noqa: E402
+from llama import Llama, llama_plan, synthetic_batch  # noqa: E402
 
 VOCAB, BATCH, SEQ, SAVE_AT, STEPS = 256, 8, 32, 4, 8
-
-
-def batch(step: int):
-    """Step ``step``'s global batch: the same on every rank, a learnable pattern."""
-    g = torch.Generator().manual_seed(step)
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
-    tokens = (start + 7 * torch.arange(SEQ + 1)) % VOCAB
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def build(dp: int, tp: int):
@@ -51,7 +43,8 @@ def train(model, mesh, opt, steps) -> list:
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     losses = []
     for step in steps:
-        tokens, target = (t.chunk(dp)[dp_rank].to(device_type()) for t in batch(step))
+        global_batch = synthetic_batch(step, BATCH, SEQ, VOCAB)
+        tokens, target = (t.chunk(dp)[dp_rank].to(device_type()) for t in global_batch)
         opt.zero_grad()
         logits = model(tokens)
         loss = tpfn.cross_entropy(logits.flatten(0, 1), target.flatten())

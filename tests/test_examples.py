@@ -16,3 +16,9 @@ def _example(name: str, *args):
 def test_dp_x_tp_training_resumes_at_another_tp_degree(ranks4, tmp_path):
     # main() asserts that the resumed losses continue the uninterrupted ones.
     ranks4.run(_example, "train_dp_tp", str(tmp_path))
+
+
+def test_the_demo_matches_one_process(ranks2):
+    # main() raises SystemExit when the tensor-parallel losses leave the single-process ones.
+    ranks2.run(_example, "train_llama", 8, 4, 32, False)
+    ranks2.run(_example, "train_llama", 8, 4, 31, True)  # sequence parallel, uneven length
