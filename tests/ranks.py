@@ -33,7 +33,12 @@ def mesh(*shape: int, names: tuple | None = None):
 
 
 class RankError(AssertionError):
-    """A function raised (or hung) on a rank; the message carries that rank's traceback."""
+    """A function raised (or hung) on a rank; the message carries that rank's traceback and
+    ``results`` what the other ranks returned."""
+
+    def __init__(self, message: str, results: dict):
+        super().__init__(message)
+        self.results = results
 
 
 def _worker(rank: int, world_size: int, port: int, conn, log_path: str) -> None:
@@ -156,11 +161,11 @@ class Ranks:
             if errors:
                 rank = min(errors)
                 hung = f"; ranks {sorted(pending)} did not finish" if pending else ""
-                raise RankError(f"{name} raised on rank {rank}{hung}:\n{errors[rank]}")
+                raise RankError(f"{name} raised on rank {rank}{hung}:\n{errors[rank]}", results)
             raise RankError(
                 f"{name} did not finish within {timeout or self.timeout:.0f}s on ranks "
                 f"{sorted(pending)}; last output of rank {min(pending)}:\n"
-                f"{self._log_tail(min(pending))}"
+                f"{self._log_tail(min(pending))}", results
             )
         return [results[r] for r in range(self.world_size)]
 

@@ -5,7 +5,7 @@ module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
 from tpfn import algebra, checkpoint, rng, trace
-from tpfn.errors import LayoutError, PlanError, StyleError
+from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import clip_grad_norm_
 from tpfn.interpret import mounted, parallelize
@@ -32,6 +32,6 @@ __all__ = [
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
-    "PlanError", "LayoutError", "StyleError",
+    "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "rng", "trace",
 ]

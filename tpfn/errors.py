@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "LayoutError", "StyleError"]
+__all__ = ["PlanError", "LayoutError", "StyleError", "CollectiveError"]
 
 
 class StyleError(ValueError):
@@ -24,3 +24,7 @@ class PlanError(ValueError):
 
 class LayoutError(ValueError):
     """A tensor reached a module slot in a layout other than the one the plan declares."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective that tpfn ran at a module's slot failed (a peer died, raised, or timed out)."""

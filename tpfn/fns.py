@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn.errors import LayoutError
 from tpfn.layout import from_torch, normalize, to_torch
+from tpfn.local import failed
 from tpfn.shapes import SHAPES, contiguous_strides
 
 __all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
@@ -87,7 +88,10 @@ def _convert(x, slot, mesh, local: bool, what: str):
     if slot.desired is not None:
         wanted = normalize(slot.desired, ndim)
         if wanted != current:
-            dt = dt.redistribute(mesh, to_torch(wanted), async_op=True)
+            try:
+                dt = dt.redistribute(mesh, to_torch(wanted))
+            except RuntimeError as error:
+                raise failed(what, current, wanted, error) from error
     if not local:
         return dt
     out = dt.to_local()

@@ -209,7 +209,7 @@ class _LocalHooks:
         given = slot.given if slot.given is not None else slot.desired
         shape = SHAPES.recall(x.shape, to_torch(normalize(given, x.ndim)), self.mesh)
         wanted = slot.desired if slot.desired is not None else given
-        return move(x, given, wanted, grad, self.mesh, shape), shape
+        return move(x, given, wanted, grad, self.mesh, shape, what), shape
 
     def leave(self, module, args, output):
         saved, shape, mask, noise, random = self.calls.pop()
@@ -229,7 +229,8 @@ class _LocalHooks:
         wanted = slot.desired if slot.desired is not None else made
         out_shape = self.kernel.out_shape(module, shape) or SHAPES.recall(
             output.shape, to_torch(normalize(made, output.ndim)), self.mesh)
-        out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape)
+        out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape,
+                   f"the output of {spec.where}")
         placements = to_torch(normalize(wanted, out.ndim))
         if spec.local:
             SHAPES.remember(out.shape, placements, out_shape, self.mesh)

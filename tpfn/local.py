@@ -23,16 +23,20 @@ import functools
 
 import attrs
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from tpfn.shapes import contiguous_strides
-from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
+from tpfn.algebra import transition
+from tpfn.errors import CollectiveError
+from tpfn.layout import Partial, Replicate, Shard, from_torch, normalize, to_torch
 
 __all__ = [
-    "Kernel", "kernel_for", "on_shards_kernel", "move", "local_params", "vocab_mask", "dropout_slice",
+    "Kernel", "kernel_for", "on_shards_kernel", "move", "failed", "local_params", "vocab_mask",
+    "dropout_slice",
 ]
 
 
@@ -110,26 +114,48 @@ def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, to_torch(placement), tensor_meta=meta)
 
 
+def failed(what: str, src, dst, error: Exception) -> CollectiveError:
+    """The error for a collective that failed while moving ``what`` from layout src to dst."""
+    kinds = " and ".join(s.collective.replace("_", "-") for s in transition(src, dst) if s.collective)
+    return CollectiveError(
+        f"rank {dist.get_rank()}: the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r}) "
+        f"failed: {error}. Another rank has most likely failed (its own error says why) or runs "
+        "another plan; the wait is bounded by the process group's timeout "
+        "(init_process_group(timeout=...))."
+    )
+
+
+def redistribute(x: torch.Tensor, src_spec, dst_spec, what: str) -> torch.Tensor:
+    """``redistribute_local_tensor``, with a failed collective named after the slot it served."""
+    try:
+        return redistribute_local_tensor(x, src_spec, dst_spec)
+    except RuntimeError as error:
+        src, dst = from_torch(src_spec.placements), from_torch(dst_spec.placements)
+        raise failed(what, src, dst, error) from error
+
+
 class _Move(torch.autograd.Function):
     """One transition forward, its dual backward, on local tensors."""
 
     @staticmethod
-    def forward(ctx, x, forward_specs, backward_specs):
-        ctx.backward_specs = backward_specs
+    def forward(ctx, x, forward_specs, backward_specs, what):
+        ctx.backward_specs, ctx.what = backward_specs, what
         if forward_specs is None:
             return x.view_as(x)
-        return redistribute_local_tensor(x, *forward_specs)
+        return redistribute(x, *forward_specs, what)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_specs is None:
-            return grad, None, None
-        return redistribute_local_tensor(grad.contiguous(), *ctx.backward_specs), None, None
+            return grad, None, None, None
+        moved = redistribute(grad.contiguous(), *ctx.backward_specs, f"the gradient of {ctx.what}")
+        return moved, None, None, None
 
 
-def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple) -> torch.Tensor:
+def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str = "a tensor"):
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
-    (None: it needs none) and leaves in ``src``'s cotangent layout."""
+    (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
+    errors."""
     ndim = len(global_shape)
     src, dst = normalize(src, ndim)[0], normalize(dst, ndim)[0]
     back = None if grad is None else normalize(grad, ndim)[0]
@@ -139,12 +165,12 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple) -> torch.Te
     backward_specs = None if back is None or back == target else (
         _spec(mesh, back, global_shape, x.dtype), _spec(mesh, target, global_shape, x.dtype))
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return redistribute_local_tensor(x, *forward_specs) if forward_specs else x
+        return redistribute(x, *forward_specs, what) if forward_specs else x
     if forward_specs is None and backward_specs is None:
         return x
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
-    return _Move.apply(x, forward_specs, backward_specs)
+    return _Move.apply(x, forward_specs, backward_specs, what)
 
 
 class _PartialBias(torch.autograd.Function):
