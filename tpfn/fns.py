@@ -56,13 +56,19 @@ def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
     """``x``, after checking it lives on ``mesh`` in the layout ``slot`` declares."""
     current = normalize(from_torch(x.placements), x.ndim)
     if x.device_mesh != mesh:
-        raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}.")
+        raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}; "
+                          "parallelize the producing and the consuming module over one mesh.")
     if slot.given is not None and current != normalize(slot.given, x.ndim):
         raise LayoutError(
             f"{what} arrives laid out {current[0]!r} but the plan declares {slot.given!r}; "
             f"declare {current[0]!r} there, or redistribute it before the call."
         )
     return x
+
+
+def not_a_tensor(x, slot, what: str) -> TypeError:
+    return TypeError(f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor; "
+                     "mark it None to leave it alone.")
 
 
 def _convert(x, slot, mesh, local: bool, what: str):
@@ -81,10 +87,7 @@ def _convert(x, slot, mesh, local: bool, what: str):
         dt = DTensor.from_local(x, mesh, placements, run_check=False,
                                 shape=shape, stride=contiguous_strides(shape))
     else:
-        raise TypeError(
-            f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor; mark it None "
-            "to leave it alone."
-        )
+        raise not_a_tensor(x, slot, what)
     if slot.desired is not None:
         wanted = normalize(slot.desired, ndim)
         if wanted != current:
@@ -123,7 +126,7 @@ def prepare_outputs(outputs, spec, mesh):
         names = list(out)
         if len(spec.slots) > len(names):
             raise LayoutError(f"{spec.where} returned {len(names)} outputs; the plan prepares "
-                              f"{len(spec.slots)}.")
+                              f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
         for i, slot in enumerate(spec.slots):
             out[names[i]] = _convert(out[names[i]], slot, mesh, spec.local, f"output {i} of {spec.where}")
         for key, slot in spec.keys:
@@ -134,7 +137,7 @@ def prepare_outputs(outputs, spec, mesh):
     if isinstance(outputs, (tuple, list)):
         if len(spec.slots) > len(outputs):
             raise LayoutError(f"{spec.where} returned {len(outputs)} outputs; the plan prepares "
-                              f"{len(spec.slots)}.")
+                              f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
         items = list(outputs)
         for i, slot in enumerate(spec.slots):
             items[i] = _convert(items[i], slot, mesh, spec.local, f"output {i} of {spec.where}")
@@ -142,7 +145,8 @@ def prepare_outputs(outputs, spec, mesh):
             return items
         return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
     if len(spec.slots) > 1:
-        raise LayoutError(f"{spec.where} returned one output; the plan prepares {len(spec.slots)}.")
+        raise LayoutError(f"{spec.where} returned one output; the plan prepares {len(spec.slots)}: "
+                          "give prepare_out one layout.")
     if not spec.slots:
         return outputs
     return _convert(outputs, spec.slots[0], mesh, spec.local, f"the output of {spec.where}")

@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from tpfn.bind import InputSpec, bind, describe
 from tpfn.errors import PlanError
-from tpfn.fns import checked as _checked
-from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
+from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import from_torch, normalize, to_torch
 from tpfn.local import cotangent_placement, dropout_slice, local_params, move, vocab_mask
 from tpfn.plan import resolve
@@ -198,14 +197,14 @@ class _LocalHooks:
         """An input in the kernel's layout, as a local tensor, and its global shape."""
         what = f"input {i} of {self.mount.inputs.where}"
         if isinstance(x, DTensor):
-            dt = _checked(x, slot, self.mesh, what)
+            dt = checked(x, slot, self.mesh, what)
             wanted = to_torch(normalize(slot.desired, x.ndim)) if slot.desired else dt.placements
             if wanted != dt.placements:  # a no-op redistribute would reduce partial gradients
                 dt = dt.redistribute(self.mesh, wanted)
             grads = None if grad is None else to_torch(normalize(grad, x.ndim))
             return dt.to_local(grad_placements=grads), tuple(x.shape)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor.")
+            raise not_a_tensor(x, slot, what)
         given = slot.given if slot.given is not None else slot.desired
         shape = SHAPES.recall(x.shape, to_torch(normalize(given, x.ndim)), self.mesh)
         wanted = slot.desired if slot.desired is not None else given
