@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
 
 import tpfn
 from tests.models import clone, counts, max_rel_err, rel_err
@@ -150,13 +150,14 @@ def _per_head_norm():
     tp(x).sum().backward()
     ref(x).sum().backward()
     assert isinstance(tp.norm.weight, DTensor)
-    assert tp.norm.weight.grad.placements == (TPartial(),)  # each rank saw its own heads
+    # Each rank saw its own heads: partial sums, summed at the end of backward.
+    assert tp.norm.weight.grad.placements == (TReplicate(),)
     assert rel_err(tp.norm.weight.grad, ref.norm.weight.grad) <= TOL
     assert max(max_rel_err(tp, ref, grads=True).values()) <= TOL
     return True
 
 
-def test_a_replicated_norm_on_local_heads_gets_partial_gradients(ranks2):
+def test_a_replicated_norm_on_local_heads_sums_its_partial_gradients(ranks2):
     assert all(ranks2.run(_per_head_norm))
 
 

@@ -1,4 +1,11 @@
-"""Gradient utilities for models whose parameters live on different meshes.
+"""Gradients: reduced once and in bulk where they come out partial; clipped across meshes.
+
+A replicated parameter used on sharded activations (a sequence-parallel norm, a per-head
+norm) gets a partial gradient: each rank holds its slice's contribution. Left so, every
+optimizer op on it would all-reduce it again (Adam: three times per parameter per step).
+``parallelize`` registers such parameters with ``reduce_partial_grads``: at the end of each
+backward, all of their gradients on a mesh are summed in one all-reduce of one flat buffer,
+and the optimizer sees replicated gradients.
 
 With tensor parallelism and FSDP2 together, the parameters tpfn shards live on the 2-D
 (data, tensor) mesh while parameters no plan binds live on the data mesh alone (or are
@@ -14,9 +21,67 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "reduce_partial_grads"]
+
+
+class _PartialGrads:
+    """Collects the partial gradients of one backward and reduces them when it ends."""
+
+    def __init__(self):
+        self.pending: list = []
+        self.reduced: dict = {}  # id(param) -> the placements its gradient was reduced from
+
+    def watch(self, param) -> None:
+        """Reduce ``param``'s partial gradients in bulk at the end of each backward."""
+        param.register_hook(lambda grad: self._accumulating(param, grad))
+        param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulating(self, param, grad):
+        """Before a second backward adds its partial gradient to a reduced one, hand the
+        reduced one back as a partial sum (kept on the first rank, zeros elsewhere: no
+        communication), so the two add up locally and are reduced once more, in bulk."""
+        old, placements = param.grad, self.reduced.pop(id(param), None)
+        if isinstance(old, DTensor) and placements is not None:
+            coordinate = old.device_mesh.get_coordinate()
+            first = all(coordinate[i] == 0 for i, p in enumerate(placements) if p.is_partial())
+            local = old.to_local() if first else torch.zeros_like(old.to_local())
+            param.grad = DTensor.from_local(local, old.device_mesh, placements, run_check=False,
+                                            shape=old.shape, stride=old.stride())
+        return grad
+
+    def _accumulated(self, param) -> None:
+        grad = param.grad
+        if any(p is param for p in self.pending):
+            return
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            if not self.pending:
+                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self.pending.append(param)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        groups: dict = {}
+        for param in pending:
+            groups.setdefault((param.grad.device_mesh, param.grad.placements, param.grad.dtype),
+                              []).append(param)
+        for (mesh, placements, _), params in groups.items():
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+            for dim, placement in enumerate(placements):
+                if placement.is_partial():
+                    flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+            replicated = [Replicate() if p.is_partial() else p for p in placements]
+            for param, grad, piece in zip(params, grads, flat.split([g.to_local().numel() for g in grads])):
+                param.grad = DTensor.from_local(piece.view_as(grad.to_local()), mesh, replicated,
+                                                run_check=False, shape=grad.shape, stride=grad.stride())
+                self.reduced[id(param)] = placements
+
+
+reduce_partial_grads = _PartialGrads()
+"""Bulk-reduces the partial gradients of the parameters it ``watch``-es, once per backward."""
 
 
 def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:

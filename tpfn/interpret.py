@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from tpfn.bind import InputSpec, bind, describe
 from tpfn.errors import PlanError
 from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
-from tpfn.layout import from_torch, normalize, to_torch
+from tpfn.grads import reduce_partial_grads
+from tpfn.layout import Partial, from_torch, normalize, to_torch
 from tpfn.local import cotangent_placement, dropout_slice, local_params, move, vocab_mask
 from tpfn.plan import resolve
 from tpfn.rng import sharded
@@ -120,6 +121,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
                 sub._parameters[name] = replacement[id(param)]
     for m in mounts:
         sub = module.get_submodule(m.fqn)
+        for name, layout in (m.kernel.grads if m.kernel else ()):
+            if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
+                reduce_partial_grads.watch(sub.get_parameter(name))
         if m.kernel is not None:
             hooks = _LocalHooks(m, mesh)
             sub.register_forward_pre_hook(hooks.enter, with_kwargs=True)
