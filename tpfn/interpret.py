@@ -20,7 +20,9 @@ from tpfn.errors import PlanError
 from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import reduce_partial_grads
 from tpfn.layout import Partial, from_torch, normalize, to_torch
-from tpfn.local import cotangent_placement, dropout_slice, local_params, move, vocab_mask
+from tpfn.local import (
+    cotangent_placement, dropout_slice, local_params, move, placements, vocab_mask,
+)
 from tpfn.plan import resolve
 from tpfn.rng import sharded
 from tpfn.shapes import SHAPES, contiguous_strides
@@ -159,17 +161,21 @@ class _LocalHooks:
 
     def __init__(self, mount, mesh):
         self.mount, self.mesh, self.kernel = mount, mesh, mount.kernel
+        spec = mount.inputs
+        computed = {i for i, (wanted, _) in enumerate(self.kernel.inputs) if wanted is not None}
+        rest = tuple(Slot() if i in computed else s for i, s in enumerate(spec.slots))
+        self.others = InputSpec(rest, spec.kwargs, spec.names, True, spec.where)
+        self.prepare_others = any(not s.untouched for s in rest) or bool(spec.kwargs)
+        self.whats = [f"input {i} of {spec.where}" for i in range(len(self.kernel.inputs))]
         self.calls: list = []
 
     def enter(self, module, args, kwargs):
         spec, kernel = self.mount.inputs, self.kernel
         args, kwargs = list(args), dict(kwargs)
         first, first_shape, mask, noise = None, None, None, None
-        rest = list(spec.slots)
         for i, (wanted, grad) in enumerate(kernel.inputs):
             if wanted is None:
                 continue
-            rest[i] = Slot()
             if i < len(args):
                 holder, key = args, i
             elif i < len(spec.names) and spec.names[i] in kwargs:
@@ -181,8 +187,8 @@ class _LocalHooks:
                 first, first_shape = holder[key], shape
                 if kernel.vocab:
                     holder[key], mask = vocab_mask(holder[key], module, self.mesh)
-        others = InputSpec(tuple(rest), spec.kwargs, spec.names, True, spec.where)
-        args, kwargs = prepare_inputs(tuple(args), kwargs, others, self.mesh)
+        if self.prepare_others:
+            args, kwargs = prepare_inputs(tuple(args), kwargs, self.others, self.mesh)
         views = local_params(module, kernel, self.mesh)
         random = contextlib.ExitStack()
         if kernel.random == "slice" and module.training and module.p > 0:
@@ -195,22 +201,22 @@ class _LocalHooks:
         self.calls.append(({n: module._parameters[n] for n in views}, first_shape, mask, noise,
                            random))
         module._parameters.update(views)
-        return args, kwargs
+        return tuple(args), kwargs
 
     def _input(self, x, slot, grad, i):
         """An input in the kernel's layout, as a local tensor, and its global shape."""
-        what = f"input {i} of {self.mount.inputs.where}"
+        what = self.whats[i]
         if isinstance(x, DTensor):
             dt = checked(x, slot, self.mesh, what)
-            wanted = to_torch(normalize(slot.desired, x.ndim)) if slot.desired else dt.placements
+            wanted = placements(slot.desired, x.ndim) if slot.desired else dt.placements
             if wanted != dt.placements:  # a no-op redistribute would reduce partial gradients
                 dt = dt.redistribute(self.mesh, wanted)
-            grads = None if grad is None else to_torch(normalize(grad, x.ndim))
+            grads = None if grad is None else placements(grad, x.ndim)
             return dt.to_local(grad_placements=grads), tuple(x.shape)
         if not isinstance(x, torch.Tensor):
             raise not_a_tensor(x, slot, what)
         given = slot.given if slot.given is not None else slot.desired
-        shape = SHAPES.recall(x.shape, to_torch(normalize(given, x.ndim)), self.mesh)
+        shape = SHAPES.recall(x.shape, placements(given, x.ndim), self.mesh)
         wanted = slot.desired if slot.desired is not None else given
         return move(x, given, wanted, grad, self.mesh, shape, what), shape
 
@@ -231,12 +237,12 @@ class _LocalHooks:
         made = slot.given  # the kernel's output layout
         wanted = slot.desired if slot.desired is not None else made
         out_shape = self.kernel.out_shape(module, shape) or SHAPES.recall(
-            output.shape, to_torch(normalize(made, output.ndim)), self.mesh)
+            output.shape, placements(made, output.ndim), self.mesh)
         out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape,
                    f"the output of {spec.where}")
-        placements = to_torch(normalize(wanted, out.ndim))
+        handed = placements(wanted, out.ndim)
         if spec.local:
-            SHAPES.remember(out.shape, placements, out_shape, self.mesh)
+            SHAPES.remember(out.shape, handed, out_shape, self.mesh)
             return out
-        return DTensor.from_local(out, self.mesh, placements, run_check=False,
+        return DTensor.from_local(out, self.mesh, handed, run_check=False,
                                   shape=out_shape, stride=contiguous_strides(out_shape))

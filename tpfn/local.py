@@ -35,8 +35,8 @@ from tpfn.errors import CollectiveError
 from tpfn.layout import Partial, Replicate, Shard, from_torch, normalize, to_torch
 
 __all__ = [
-    "Kernel", "kernel_for", "on_shards_kernel", "move", "failed", "local_params", "vocab_mask",
-    "dropout_slice",
+    "Kernel", "kernel_for", "on_shards_kernel", "move", "placements", "failed", "local_params",
+    "vocab_mask", "dropout_slice",
 ]
 
 
@@ -152,18 +152,34 @@ class _Move(torch.autograd.Function):
         return moved, None, None, None
 
 
-def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str = "a tensor"):
-    """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
-    (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
-    errors."""
+@functools.lru_cache(maxsize=4096)
+def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
+    """(forward specs, backward specs) of a move, each None where nothing moves."""
+    if mesh.size() == 1:  # one rank: every layout is the whole tensor
+        return None, None
     ndim = len(global_shape)
     src, dst = normalize(src, ndim)[0], normalize(dst, ndim)[0]
     back = None if grad is None else normalize(grad, ndim)[0]
     target = cotangent_placement(src)
-    forward_specs = None if src == dst else (
-        _spec(mesh, src, global_shape, x.dtype), _spec(mesh, dst, global_shape, x.dtype))
-    backward_specs = None if back is None or back == target else (
-        _spec(mesh, back, global_shape, x.dtype), _spec(mesh, target, global_shape, x.dtype))
+    forward = None if src == dst else (
+        _spec(mesh, src, global_shape, dtype), _spec(mesh, dst, global_shape, dtype))
+    backward = None if back is None or back == target else (
+        _spec(mesh, back, global_shape, dtype), _spec(mesh, target, global_shape, dtype))
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=1024)
+def placements(layout, ndim: int) -> tuple:
+    """The torch placements of a 1-D layout for a tensor of ``ndim`` dims (shard dims
+    normalized)."""
+    return to_torch(normalize(layout, ndim))
+
+
+def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str = "a tensor"):
+    """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
+    (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
+    errors."""
+    forward_specs, backward_specs = _specs(mesh, src, dst, grad, tuple(global_shape), x.dtype)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return redistribute(x, *forward_specs, what) if forward_specs else x
     if forward_specs is None and backward_specs is None:
@@ -195,7 +211,7 @@ def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
             continue
         grad = grads.get(name)
         view = param.to_local(grad_placements=None if grad is None else to_torch(grad))
-        if kernel.partial_bias and name == "bias":
+        if kernel.partial_bias and name == "bias" and mesh.size() > 1:
             view = _PartialBias.apply(view, mesh.size())
         views[name] = view
     return views
