@@ -8,8 +8,9 @@ from tpfn import algebra, checkpoint, rng, trace
 from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import clip_grad_norm_
+from tpfn.hf import from_hf
 from tpfn.interpret import mounted, parallelize
-from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
+from tpfn.layout import Partial, Replicate, Shard, to_torch
 from tpfn.loss import cross_entropy
 from tpfn.plan import Plan, plan, resolve
 from tpfn.style import (
@@ -24,6 +25,7 @@ from tpfn.style import (
     rowwise,
     sequence_parallel,
 )
+from tpfn.torch_styles import from_torch
 
 __all__ = [
     "Shard", "Replicate", "Partial", "to_torch", "from_torch",
@@ -32,6 +34,7 @@ __all__ = [
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
+    "from_hf",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "rng", "trace",
 ]

@@ -1,0 +1,382 @@
+"""``from_hf``: transformers' plan strings as tpfn styles, on real tiny transformers models."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from transformers import (
+    Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+    MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+import tpfn
+from tests.models import clone, counts, max_rel_err, rel_err
+from tests.ranks import mesh
+from tpfn import (
+    Partial, PlanError, Replicate, Shard, colwise, from_hf, on_shards, params,
+    prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
+)
+from tpfn.hf import KNOWN
+
+TOL = 1e-5
+# How often a backward may reduce the partial gradients of replicated parameters (the
+# per-head norms) itself, rather than leaving them partial: tpfn's policy, not from_hf's.
+PARTIAL_GRADS = 1
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.1,
+            use_cache=False)
+MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+def qwen3():
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**TINY))
+
+
+def qwen3_moe(**kw):
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY, **MOE, **kw))
+
+
+def mixtral():
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(**{**TINY, "intermediate_size": 16},
+                                            num_local_experts=4, num_experts_per_tok=2))
+
+
+def gemma3():
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**TINY))
+
+
+# transformers' plan strings as PyTorch styles: what native TP runs for the same plan.
+NATIVE = {
+    "colwise": ColwiseParallel(),
+    "rowwise": RowwiseParallel(),
+    "colwise_gather_output": ColwiseParallel(output_layouts=TReplicate()),
+    "embedding_rowwise": RowwiseParallel(input_layouts=TReplicate()),
+}
+
+
+def _matches_single_device(build, **kw):
+    """tpfn on 2 ranks with from_hf's plan against one device: logits, every gradient, and
+    the collectives of the forward and of the backward."""
+    m = mesh(2)
+    ref = build(**kw)
+    tp = tpfn.parallelize(clone(ref), m, from_hf(ref.tp_plan, ref))
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 8))
+    expected = ref(ids).logits
+    out = {}
+    forward = counts(lambda: out.setdefault("logits", tp(ids).logits))
+    backward = counts(lambda: out["logits"].pow(2).sum().backward())
+    expected.pow(2).sum().backward()
+    assert not isinstance(out["logits"], DTensor) and rel_err(out["logits"], expected) <= TOL
+    errors = max_rel_err(tp, ref, grads=True)
+    assert max(errors.values()) <= TOL, errors
+    return forward, backward, tp
+
+
+def _llama():
+    forward, backward, _ = _matches_single_device(llama)
+    nat = parallelize_module(llama(), mesh(2), {k: NATIVE[v] for k, v in llama().tp_plan.items()})
+    ids = torch.randint(0, 64, (2, 8))
+    out = {}
+    native = (counts(lambda: out.setdefault("logits", nat(ids).logits)),
+              counts(lambda: out["logits"].pow(2).sum().backward()))
+    return (forward, backward), native
+
+
+def test_llama_matches_single_device_with_the_megatron_minimum(ranks2):
+    mine, native = ranks2.run(_llama)[0]
+    layers = TINY["num_hidden_layers"]
+    # Forward: o_proj and down_proj per layer, the vocab-parallel embedding, the gathered head.
+    assert mine[0] == native[0] == {"all_reduce": 2 * layers + 1, "all_gather": 1}
+    # Backward: q, k, v share one input-gradient all-reduce, gate and up another (and the
+    # head's input); PyTorch's native TP on transformers' plan all-reduces each of the five.
+    assert mine[1] == {"all_reduce": 2 * layers + 1}
+    assert native[1] == {"all_reduce": 5 * layers + 1}
+    mine_total, native_total = (sum(c.get("all_reduce", 0) for c in run) for run in (mine, native))
+    assert (mine_total, native_total) == (4 * layers + 2, 7 * layers + 2)  # + embedding, head
+
+
+def _qwen3():
+    forward, backward, _ = _matches_single_device(qwen3)
+    return forward, backward
+
+
+def test_qwen3_per_head_norms_sum_their_gradients(ranks2):
+    forward, backward = ranks2.run(_qwen3)[0]
+    # q_norm / k_norm see their rank's heads: their partial gradients add up to the
+    # single-device ones (above), and the block still costs 4 all-reduces.
+    assert forward == {"all_reduce": 5, "all_gather": 1}
+    assert set(backward) == {"all_reduce"} and backward["all_reduce"] <= 5 + PARTIAL_GRADS
+
+
+def _qwen3_moe():
+    rank = dist.get_rank()
+    forward, backward, tp = _matches_single_device(qwen3_moe, mlp_only_layers=[0])
+    ref = qwen3_moe(mlp_only_layers=[0])
+    gate, up = ref.model.layers[1].mlp.experts.gate_up_proj.chunk(2, dim=1)
+    local = tp.model.layers[1].mlp.experts.gate_up_proj.to_local()
+    sliced = torch.equal(local, torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], 1))
+    return forward, backward, sliced
+
+
+def test_qwen3_moe_experts_get_a_slice_of_every_part(ranks2):
+    forward, backward, sliced = ranks2.run(_qwen3_moe)[0]
+    assert sliced  # each rank holds its slice of the gate and of the up projection
+    # Layer 0 is dense (4 all-reduces); layer 1's experts sum their partial output forward
+    # and their two inputs' partial gradients backward.
+    assert forward == {"all_reduce": 2 + 2 + 1, "all_gather": 1}
+    assert set(backward) == {"all_reduce"} and backward["all_reduce"] <= 2 + 3 + 1 + PARTIAL_GRADS
+
+
+def _mixtral():
+    forward, backward, _ = _matches_single_device(mixtral)
+    return forward, backward
+
+
+def test_mixtral_matches_single_device(ranks2):
+    forward, backward = ranks2.run(_mixtral)[0]
+    assert forward == {"all_reduce": 2 * 2 + 1, "all_gather": 1}
+    assert backward == {"all_reduce": 2 * 3 + 1}
+
+
+def _gemma3():
+    forward, backward, tp = _matches_single_device(gemma3)
+    return forward, backward, tp.lm_head.weight is tp.model.embed_tokens.weight
+
+
+def test_gemma3_scaled_embedding_and_tied_head_match_single_device(ranks2):
+    forward, backward, tied = ranks2.run(_gemma3)[0]
+    assert tied
+    assert forward == {"all_reduce": 5, "all_gather": 1}
+    assert set(backward) == {"all_reduce"} and backward["all_reduce"] <= 5 + PARTIAL_GRADS
+
+
+def test_qwen3_moe_plan_shards_experts_and_skips_what_a_variant_lacks():
+    mixed = from_hf(qwen3_moe(mlp_only_layers=[0]).tp_plan, qwen3_moe(mlp_only_layers=[0]))
+    rules = dict(mixed.rules)
+    assert rules["model.layers.*.mlp.experts"] == (
+        params(gate_up_proj=Shard(1, parts=2), down_proj=Shard(2))
+        >> on_shards(Replicate(), None, Replicate(), grads=Partial(), output=Partial())
+        >> prepare_out(Replicate()))
+    assert rules["model.layers.*.self_attn.q_norm"] == (
+        replicate() >> on_shards(param_grads={"weight": Partial()}))
+    # Only layer 0's MLP has gate and up projections to share an input gradient.
+    assert rules["model.layers.0.mlp"] == prepare_in(Replicate())
+    assert "model.layers.*.mlp" not in rules
+    # Every layer sparse: the model's own rules for dense MLPs name nothing and are skipped.
+    sparse = qwen3_moe()
+    assert not any("gate_proj" in key for key, _ in from_hf(sparse.tp_plan, sparse).rules)
+
+
+def test_every_registered_transformers_style_is_known():
+    assert set(ALL_PARALLEL_STYLES) <= set(KNOWN)
+    older = {"gather", "local", "local_colwise", "local_rowwise", "local_packed_rowwise",
+             "colwise_rep", "rowwise_rep", "sequence_parallel", "replicate", "embedding_rowwise"}
+    assert older <= set(KNOWN)
+
+
+class Experts(nn.Module):
+    """Experts as transformers stores them: 3-D weights, routed inputs."""
+
+    def __init__(self, n=4, dim=8, hidden=6, transposed=False):
+        super().__init__()
+        shape = (n, dim, 2 * hidden) if transposed else (n, 2 * hidden, dim)
+        self.gate_up_proj = nn.Parameter(torch.randn(*shape))
+        self.down_proj = nn.Parameter(torch.randn(*((n, hidden, dim) if transposed else (n, dim, hidden))))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.o_proj = nn.Linear(8, 8)
+        self.sinks = nn.Parameter(torch.zeros(4))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return x
+
+
+class ScaledEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention()
+        self.scaled = ScaledEmbedding(10, 8)
+        self.experts = Experts()
+        self.old = Experts(transposed=True)
+        self.embed = nn.Embedding(10, 8)
+        self.mlp = nn.ModuleDict({"fc": nn.Linear(8, 8)})
+
+
+def _style(string, fqn):
+    return dict(from_hf({fqn: string}, Block()).rules)[fqn]
+
+
+@pytest.mark.parametrize("string, fqn, style", [
+    ("colwise", "attn.q_proj", colwise()),
+    ("colwise_gather_output", "attn.q_proj", colwise() >> prepare_out(Replicate())),
+    ("colwise_rep", "attn.q_proj", colwise() >> prepare_out(Replicate())),
+    ("rowwise", "attn.o_proj", rowwise()),
+    ("rowwise_split_input", "attn.o_proj", prepare_in(Replicate()) >> rowwise()),
+    ("rowwise_rep", "attn.o_proj", prepare_in(Replicate()) >> rowwise()),
+    ("embedding_rowwise", "embed", rowwise()),
+    ("embedding_rowwise", "scaled",  # its own forward computes on DTensors (Gemma's)
+     prepare_in(Replicate()) >> params(weight=Shard(0)) >> prepare_out(Replicate())),
+    ("embedding_colwise", "embed", colwise() >> prepare_out(Replicate())),
+    ("packed_colwise", "attn.q_proj", colwise(parts=2)),
+    ("sequence_parallel", "attn.norm", sequence_parallel(local=True)),
+    ("replicated_with_grad_allreduce", "attn.norm",
+     replicate() >> on_shards(param_grads={"weight": Partial(), "bias": Partial()})),
+    ("all_reduce", "mlp", prepare_out(Replicate(), given=Partial())),
+    ("gather", "mlp", prepare_out(Replicate(), given=Partial())),
+    ("moe_tp_experts", "experts",
+     on_shards(Replicate(), None, Replicate(), grads=Partial(), output=Partial())
+     >> prepare_out(Replicate())),
+    ("moe_tp_experts", "attn",  # one routed input: only the tokens
+     on_shards(Replicate(), grads=Partial(), output=Partial()) >> prepare_out(Replicate())),
+    ("local_params", "attn", on_shards()),
+    ("replicate", "embed", replicate() >> on_shards()),
+    ("local", "mlp", on_shards()),
+    ("local_colwise", "attn.q_proj", params(weight=Shard(0), bias=Shard(0)) >> on_shards()),
+    ("local_rowwise", "attn.o_proj", params(weight=Shard(1), bias=Replicate()) >> on_shards()),
+    ("local_packed_rowwise", "attn.o_proj",
+     params(weight=Shard(1, parts=2), bias=Shard(0, parts=2)) >> on_shards()),
+])
+def test_each_string_on_a_module_has_its_transformers_meaning(string, fqn, style):
+    assert _style(string, fqn) == style
+
+
+@pytest.mark.parametrize("string, placement", [
+    ("packed_colwise", Shard(1, parts=2)),
+    ("rowwise", Shard(2)),
+    ("colwise", Shard(1)),
+    ("packed_rowwise", Shard(2, parts=2)),
+    ("embedding_rowwise", Shard(0)),
+    ("replicate", Replicate()),
+])
+def test_a_string_on_a_parameter_places_it_by_its_dims(string, placement):
+    plan = {"experts": "moe_tp_experts", "experts.gate_up_proj": string}
+    style = dict(from_hf(plan, Block()).rules)["experts"]
+    assert style.stages[0] == params(gate_up_proj=placement).stages[0]
+
+
+def test_parameters_keyed_under_their_module_are_local_shards_it_computes_with():
+    block = Block()
+    assert dict(from_hf({"attn": "local_params", "attn.sinks": "colwise"}, block).rules) == {
+        "attn": params(sinks=Shard(0)) >> on_shards()}
+    # transformers 4.x: local_* parameters are plain shards; their module computes with them.
+    old = {"old": "local", "old.gate_up_proj": "local_packed_rowwise", "old.down_proj": "local_colwise"}
+    assert dict(from_hf(old, block).rules) == {
+        "old": params(gate_up_proj=Shard(2, parts=2), down_proj=Shard(1)) >> on_shards()}
+    assert dict(from_hf({"attn.sinks": "local_rowwise"}, block).rules) == {
+        "attn": params(sinks=Shard(0)) >> on_shards()}
+    assert dict(from_hf({"attn.sinks": "packed_rowwise", "attn.norm.bias": "packed_rowwise"},
+                        block).rules) == {"attn": params(sinks=Replicate()),
+                                          "attn.norm": params(bias=Replicate())}
+
+
+def test_a_module_with_several_colwise_children_takes_its_input_replicated_once():
+    two = from_hf({"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.o_proj": "rowwise",
+                   "mlp.fc": "colwise"}, Block())
+    assert dict(two.rules)["attn"] == prepare_in(Replicate())
+    assert "mlp" not in dict(two.rules)  # one column-wise child: nothing to share
+    keyed = from_hf({"attn": "local_params", "attn.q_proj": "colwise", "attn.k_proj": "colwise"},
+                    Block())
+    assert dict(keyed.rules)["attn"] == on_shards()  # its own style wins; q and k reduce alone
+
+
+def test_every_problem_in_a_plan_is_reported_at_once():
+    with pytest.raises(PlanError) as e:
+        from_hf({
+            "attn.q_proj": "fused_colwise",
+            "attn.k_proj": "mla_kv_a_proj",
+            "experts.identity": "moe_identity_expert",
+            "experts": "ep_dispatch_experts",
+            "embed": "colwise",
+            "attn.o_prj": "rowwise",
+            "attn.sinks": "moe_tp_experts",
+            "mlp.fc": "packed_rowwise",
+            "attn": "local",
+        }, Block())
+    assert e.value.problems == [
+        f"'attn.q_proj': unknown transformers style 'fused_colwise'; known: {', '.join(KNOWN)}.",
+        "'attn.k_proj': transformers' 'mla_kv_a_proj' sums over the ranks the gradient of only "
+        "the last qk_rope_head_dim output features (the rotary keys, which bypass kv_b_proj); a "
+        "tpfn slot gives a whole tensor one layout, so leave this attention's projections out of "
+        "the plan or write its plan by hand.",
+        "'experts.identity': transformers' 'moe_identity_expert' divides its input by the mesh "
+        "size so that moe_tp_experts' sum counts it once; layouts place values and never scale "
+        "them, so compute the identity experts outside the experts module or leave the experts "
+        "out of the plan.",
+        "'experts': transformers' 'ep_dispatch_experts' is expert parallelism (whole experts per "
+        "rank, tokens sent between ranks), which tpfn does not do; shard the experts on their "
+        "hidden dim instead: 'moe_tp_experts' on the experts module, 'packed_colwise' and "
+        "'rowwise' on its weights.",
+        "'attn.o_prj' names no module or parameter of Block.",
+        "'attn.sinks' names a parameter; 'moe_tp_experts' applies to modules, so key its module "
+        "'attn'.",
+        "'attn' (Attention) is 'local', which divides the parameters it owns (sinks) by the mesh "
+        "size so that an all-reduce after it counts them once; layouts place values and never "
+        "scale them. Key each parameter with a style.",
+        "'embed' (Embedding) is 'colwise', which transformers applies to Linear modules; this is "
+        "Embedding.",
+        "'mlp.fc' (Linear) is 'packed_rowwise', which places parameters (as on experts' "
+        "gate_up_proj under 'moe_tp_experts'); on a module transformers adds no input or output "
+        "handling. Key its parameters, or write rowwise(parts=2) in a tpfn plan.",
+    ]
+
+
+def test_a_rule_outside_the_models_own_plan_must_name_something():
+    model = llama()
+    with pytest.raises(PlanError, match=r"'model.layers.\*.mlp.gat_proj' names no module"):
+        from_hf({**model.tp_plan, "model.layers.*.mlp.gat_proj": "colwise"}, model)
+
+
+class OldExperts(Experts):
+    """Experts as transformers 4.x Llama4 stored them (transposed), computing their sum."""
+
+    def __init__(self):
+        super().__init__(transposed=True)
+
+    def forward(self, x):
+        gate, up = torch.einsum("td,edh->teh", x, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.einsum("teh,ehd->td", F.silu(gate) * up, self.down_proj)
+
+
+def _old_moe():
+    torch.manual_seed(0)
+    ref = nn.Sequential(OldExperts())
+    old = {"": "gather", "0": "local", "0.gate_up_proj": "local_packed_rowwise",
+           "0.down_proj": "local_colwise"}
+    tp = tpfn.parallelize(clone(ref), mesh(2), from_hf(old, ref))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        return rel_err(tp(x), ref(x)), counts(lambda: tp(x))
+
+
+def test_transformers_4_gather_and_local_styles_sum_local_experts(ranks2):
+    error, comm = ranks2.run(_old_moe)[0]
+    assert error <= TOL and comm == {"all_reduce": 1}

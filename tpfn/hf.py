@@ -1,0 +1,258 @@
+"""Hugging Face ``transformers`` tensor-parallel plans as tpfn plans.
+
+A ``transformers`` model carries its plan as ``model.tp_plan``: module *or parameter*
+names (``*`` for a layer number) mapped to style strings. ``from_hf(tp_plan, model)``
+reads every string with the meaning transformers gives it and returns the tpfn plan that
+does the same on ``model``. It reads the model because a transformers plan depends on it:
+a key may name a parameter (``layers.*.mlp.experts.gate_up_proj``) whose placement
+depends on its dims, and a model's own plan names modules that only some variants of the
+architecture have (transformers skips those rules; so does ``from_hf``).
+
+>>> mlp = nn.ModuleDict({"up": nn.Linear(4, 8), "down": nn.Linear(8, 4)})
+>>> from_hf({"up": "colwise", "down": "rowwise"}, mlp)
+plan({'down': rowwise(), 'up': colwise()})
+
+Where several column-wise layers are children of one module (attention's q, k and v; an
+MLP's gate and up projections), that module takes its input as ``prepare_in(Replicate())``:
+the children share one all-reduce of their input's gradient (the Megatron minimum)
+instead of one each.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from tpfn.bind import _forward_names
+from tpfn.errors import PlanError
+from tpfn.layout import Partial, Replicate, Shard
+from tpfn.local import kernel_for
+from tpfn.plan import Plan, _matches, plan
+from tpfn.style import (
+    colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise,
+    sequence_parallel,
+)
+
+__all__ = ["from_hf", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
+
+_GATHERED = colwise() >> prepare_out(Replicate())
+_SPLIT_INPUT = prepare_in(Replicate()) >> rowwise()
+_REDUCED = prepare_out(Replicate(), given=Partial())
+
+# What a string does to a module it keys (transformers 5.24, then earlier releases);
+# "replicated_with_grad_allreduce" and "moe_tp_experts" depend on the module (_module_style).
+MODULE_STYLES = {
+    "colwise": colwise(),
+    "colwise_gather_output": _GATHERED,
+    "colwise_rep": _GATHERED,
+    "rowwise": rowwise(),
+    "rowwise_split_input": _SPLIT_INPUT,
+    "rowwise_rep": _SPLIT_INPUT,
+    "embedding_rowwise": rowwise(),
+    "embedding_colwise": _GATHERED,
+    "packed_colwise": colwise(parts=2),
+    "sequence_parallel": sequence_parallel(local=True),
+    "all_reduce": _REDUCED,
+    "local_params": on_shards(),
+    "replicate": replicate() >> on_shards(),
+    # transformers 4.x
+    "gather": _REDUCED,
+    "local": on_shards(),
+    "local_colwise": on_shards(),
+    "local_rowwise": on_shards(),
+    "local_packed_rowwise": on_shards(),
+}
+
+
+def _colwise(name: str, ndim: int):
+    return Shard(max(ndim - 2, 0))
+
+
+def _rowwise(name: str, ndim: int):
+    return Replicate() if name == "bias" else Shard(ndim - 1)
+
+
+# What a string does to a parameter, by its name and number of dims.
+PARAM_RULES = {
+    "colwise": _colwise,
+    "colwise_gather_output": _colwise,
+    "colwise_rep": _colwise,
+    "rowwise": _rowwise,
+    "rowwise_split_input": _rowwise,
+    "rowwise_rep": _rowwise,
+    "embedding_rowwise": lambda name, ndim: Shard(0),
+    "embedding_colwise": lambda name, ndim: Shard(1),
+    "packed_colwise": lambda name, ndim: Shard(0) if ndim == 1 else Shard(ndim - 2, parts=2),
+    "packed_rowwise": lambda name, ndim: Replicate() if ndim == 1 else Shard(ndim - 1, parts=2),
+    "replicate": lambda name, ndim: Replicate(),
+    # transformers 4.x: the parameter is a plain local shard its module computes with
+    "local_colwise": lambda name, ndim: Shard(ndim - 1) if name == "bias" else _colwise(name, ndim),
+    "local_rowwise": _rowwise,
+    "local_packed_rowwise": lambda name, ndim: Shard(ndim - 1, parts=2),
+}
+_LOCAL = ("local_colwise", "local_rowwise", "local_packed_rowwise")
+
+# Strings that shard a module column-wise from a replicated input (their parent may share it).
+_CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+
+_KINDS = {
+    **dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
+                     "rowwise_split_input", "rowwise_rep", "packed_colwise"), nn.Linear),
+    "embedding_rowwise": nn.Embedding,
+    "embedding_colwise": nn.Embedding,
+}
+
+_EXPERT_PARALLEL = (
+    "is expert parallelism (whole experts per rank, tokens sent between ranks), which tpfn "
+    "does not do; shard the experts on their hidden dim instead: 'moe_tp_experts' on the "
+    "experts module, 'packed_colwise' and 'rowwise' on its weights"
+)
+
+# Strings whose meaning no tpfn style has: why, and what to do.
+UNSUPPORTED = {
+    "mla_kv_a_proj": (
+        "sums over the ranks the gradient of only the last qk_rope_head_dim output features "
+        "(the rotary keys, which bypass kv_b_proj); a tpfn slot gives a whole tensor one "
+        "layout, so leave this attention's projections out of the plan or write its plan by hand"
+    ),
+    "moe_identity_expert": (
+        "divides its input by the mesh size so that moe_tp_experts' sum counts it once; "
+        "layouts place values and never scale them, so compute the identity experts outside "
+        "the experts module or leave the experts out of the plan"
+    ),
+    "grouped_gemm": _EXPERT_PARALLEL,
+    "ep_router": _EXPERT_PARALLEL,
+    "ep_dispatch_experts": _EXPERT_PARALLEL,
+}
+
+_BY_MODULE = ("replicated_with_grad_allreduce", "moe_tp_experts")
+KNOWN = sorted({*MODULE_STYLES, *_BY_MODULE, *PARAM_RULES, *UNSUPPORTED})
+
+
+def _generic(name: str) -> str:
+    """transformers' generic name: each layer number between dots becomes ``*``."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _module_style(string, module: nn.Module, own: dict, where: str, found: list):
+    """The style of ``module`` keyed ``string`` (None: not keyed) whose parameters keyed
+    in the plan are placed ``own``; None after adding to ``found`` what prevents it."""
+    placed = {n: p for n, (_, p) in own.items()}
+    if string is None:  # only its parameters are keyed: local shards it computes with, or not
+        local = any(s in _LOCAL for s, _ in own.values())
+        return params(**placed) >> on_shards() if local else params(**placed)
+    if string in _KINDS and not isinstance(module, _KINDS[string]):
+        found.append(f"{where} is {string!r}, which transformers applies to "
+                     f"{_KINDS[string].__name__} modules; this is {type(module).__name__}.")
+        return None
+    rest = [n for n, _ in module.named_parameters(recurse=False) if n not in own]
+    if string == "packed_rowwise":
+        found.append(f"{where} is 'packed_rowwise', which places parameters (as on experts' "
+                     "gate_up_proj under 'moe_tp_experts'); on a module transformers adds no input "
+                     "or output handling. Key its parameters, or write rowwise(parts=2) in a tpfn plan.")
+        return None
+    if string == "local" and rest:
+        found.append(f"{where} is 'local', which divides the parameters it owns ({', '.join(rest)}) "
+                     "by the mesh size so that an all-reduce after it counts them once; layouts "
+                     "place values and never scale them. Key each parameter with a style.")
+        return None
+    if string in _LOCAL:
+        placed.update({n: PARAM_RULES[string](n, module.get_parameter(n).dim()) for n in rest})
+    if string == "replicated_with_grad_allreduce":
+        grads = {n: Partial() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        core = replicate() >> on_shards(param_grads=grads)
+    elif string == "embedding_rowwise" and kernel_for(rowwise().core, module) is None:
+        # An embedding with its own forward (Gemma's scales its output) computes on DTensors,
+        # which sum the vocabulary shards where they need to: take the output as it comes.
+        core = prepare_in(Replicate()) >> params(weight=Shard(0)) >> prepare_out(Replicate())
+    elif string == "moe_tp_experts":
+        names, _, star = _forward_names(module)
+        routed = star or len(names) >= 3  # (hidden_states, top_k_index, top_k_weights)
+        core = on_shards(*((Replicate(), None, Replicate()) if routed else (Replicate(),)),
+                         grads=Partial(), output=Partial()) >> prepare_out(Replicate())
+    else:
+        core = MODULE_STYLES[string]
+    return params(**placed) >> core if placed else core
+
+
+def _spell(styles: dict, modules: dict) -> dict:
+    """Plan entries for ``{fqn: style}``: one generic pattern where it matches exactly the
+    modules that share a style, the module names elsewhere."""
+    groups: dict = {}
+    for fqn, style in styles.items():
+        groups.setdefault((_generic(fqn), style), []).append(fqn)
+    entries = {}
+    for (pattern, style), fqns in groups.items():
+        if sorted(f for f in modules if _matches(pattern, f)) == sorted(fqns):
+            entries[pattern] = style
+        else:
+            entries.update(dict.fromkeys(fqns, style))
+    return entries
+
+
+def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
+    """The tpfn plan of a ``transformers`` tensor-parallel plan on ``model``.
+
+    ``tp_plan`` maps module or parameter names (``*`` for a layer number) to the style
+    strings of ``transformers`` (``model.tp_plan`` is the model's own). A rule of the
+    model's own plan that names nothing in ``model`` is skipped, as transformers does; any
+    other, an unknown string, and a string tpfn cannot express faithfully are reported
+    together in one ``PlanError``.
+
+    >>> from_hf({"0": "colwise_gather_output"}, nn.Sequential(nn.Linear(4, 8)))
+    plan({'0': colwise() >> prepare_out(Replicate())})
+    >>> from_hf({"0": "fused_colwise"}, nn.Sequential(nn.Linear(4, 8)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tpfn.errors.PlanError: the plan cannot be applied (1 problem):
+      - '0': unknown transformers style 'fused_colwise'; known: all_reduce, colwise, ...
+    """
+    if not isinstance(tp_plan, dict):
+        raise TypeError(f"'tp_plan' must be a dict of name -> style string, as model.tp_plan "
+                        f"(got {tp_plan!r} that is a {type(tp_plan)!r}).")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"'model' must be the nn.Module the plan is for (got {model!r} that is a "
+                        f"{type(model)!r}).")
+    modules = dict(model.named_modules())
+    own_plan = getattr(model, "tp_plan", None) or {}
+    found: list = []
+    keyed: dict = {}  # fqn -> string
+    own: dict = {}  # module fqn -> {parameter: (string, placement)}
+    for key, string in tp_plan.items():
+        if string not in KNOWN:
+            found.append(f"{key!r}: unknown transformers style {string!r}; known: {', '.join(KNOWN)}.")
+            continue
+        if string in UNSUPPORTED:
+            found.append(f"{key!r}: transformers' {string!r} {UNSUPPORTED[string]}.")
+            continue
+        hits = [f for f in modules if _generic(f) == key]
+        params_hit = [n for n, _ in model.named_parameters() if _generic(n) == key]
+        for name in params_hit:
+            owner, _, leaf = name.rpartition(".")
+            if string not in PARAM_RULES:
+                found.append(f"{key!r} names a parameter; {string!r} applies to modules, so key "
+                             f"its module {_generic(owner)!r}.")
+                break
+            ndim = model.get_parameter(name).dim()
+            own.setdefault(owner, {})[leaf] = (string, PARAM_RULES[string](leaf, ndim))
+        keyed.update(dict.fromkeys(hits, string))
+        if not hits and not params_hit and tp_plan.get(key) != own_plan.get(key):
+            found.append(f"{key!r} names no module or parameter of {type(model).__name__}.")
+    styles = {}
+    order = {f: i for i, f in enumerate(modules)}
+    for fqn in sorted({*keyed, *own}, key=order.__getitem__):
+        where = f"{fqn!r} ({type(modules[fqn]).__name__})"
+        style = _module_style(keyed.get(fqn), modules[fqn], own.get(fqn, {}), where, found)
+        if style is not None:
+            styles[fqn] = style
+    if found:
+        raise PlanError(found)
+    consumers: dict = {}
+    for fqn, string in keyed.items():
+        if string in _CONSUMERS and "." in fqn:
+            consumers.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+    for parent, children in consumers.items():
+        if len(children) > 1 and parent not in styles:
+            styles[parent] = prepare_in(Replicate())
+    return plan(_spell(styles, modules))
