@@ -202,6 +202,27 @@ class _PartialBias(torch.autograd.Function):
         return grad, None
 
 
+@functools.lru_cache(maxsize=4096)
+def _grad_spec(spec: DTensorSpec, grads) -> DTensorSpec:
+    if grads is None or grads == spec.placements:
+        return spec
+    return DTensorSpec(spec.mesh, grads, tensor_meta=spec.tensor_meta)
+
+
+class _View(torch.autograd.Function):
+    """A DTensor parameter's local shard; its gradient flows back as a DTensor laid out
+    ``spec`` (DTensor's own ``to_local``, without re-deriving the spec every backward)."""
+
+    @staticmethod
+    def forward(ctx, param, spec):
+        ctx.spec = spec
+        return param._local_tensor.view_as(param._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor(grad.contiguous(), ctx.spec, requires_grad=False), None
+
+
 def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
     """The local views the module computes with, by parameter name."""
     grads = dict(kernel.grads)
@@ -210,7 +231,11 @@ def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
         if not isinstance(param, DTensor):
             continue
         grad = grads.get(name)
-        view = param.to_local(grad_placements=None if grad is None else to_torch(grad))
+        if param.requires_grad and torch.is_grad_enabled():
+            spec = _grad_spec(param._spec, None if grad is None else to_torch(grad))
+            view = _View.apply(param, spec)
+        else:
+            view = param._local_tensor
         if kernel.partial_bias and name == "bias" and mesh.size() > 1:
             view = _PartialBias.apply(view, mesh.size())
         views[name] = view
