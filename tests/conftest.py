@@ -6,12 +6,16 @@ from hypothesis import HealthCheck, settings
 from tests.ranks import Ranks
 
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
+    "tpfn-ci", max_examples=60, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("dev", max_examples=100, deadline=None)
-settings.register_profile("thorough", max_examples=3000, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+settings.register_profile("tpfn-dev", max_examples=100, deadline=None)
+settings.register_profile("tpfn-thorough", max_examples=3000, deadline=None)
+# torch.testing._internal (the reference Transformer's home) loads a hypothesis profile of
+# its own when imported; import it first, so that ours is the one @given sees.
+import torch.testing._internal.common_utils  # noqa: E402, F401
+
+settings.load_profile("tpfn-" + os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture(scope="session")
