@@ -5,6 +5,7 @@ module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
 from tpfn import algebra, checkpoint, rng, trace
+from tpfn.dryrun import explain
 from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import clip_grad_norm_
@@ -13,6 +14,7 @@ from tpfn.interpret import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, to_torch
 from tpfn.loss import cross_entropy
 from tpfn.plan import Plan, plan, resolve
+from tpfn.report import Report
 from tpfn.style import (
     Style,
     colwise,
@@ -35,6 +37,7 @@ __all__ = [
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
     "from_hf",
+    "explain", "Report",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "rng", "trace",
 ]

@@ -1,0 +1,537 @@
+"""tpfn.explain: a dry run on fake ranks predicts what the plan really does, entry by entry."""
+
+import json
+import re
+from html.parser import HTMLParser
+
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import tpfn
+from tests.models import clone, local_heads, transformer, transformer_plan
+from tests.ranks import mesh
+from tpfn import Partial, PlanError, Replicate, Shard, colwise, prepare_in, prepare_out, rowwise
+from tpfn.algebra import AllGather, AllReduce
+from tpfn.dryrun import fake_mesh
+from tpfn.record import record
+from tpfn.report import Comm, Param, Transition
+
+WORLD_SIZES = (2, 4, 8, 16, 32, 64)
+b, s, t = sympy.symbols("b s t", positive=True, integer=True)
+
+
+def _tokens():
+    return torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+
+def _reference(sp: bool = False):
+    """The reference Transformer with 64 heads (so 64 ranks get one each), a plan and tokens."""
+    model = transformer(vocab_size=256, dim=256, n_heads=64, max_seq_len=64)
+    return model, transformer_plan(sp), _tokens()
+
+
+LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=128,
+             num_key_value_heads=64, vocab_size=256, max_position_embeddings=128)
+
+
+def llama_plan() -> dict:
+    """The Megatron minimum for Llama, by hand from ``model.tp_plan``'s module names: attention
+    and MLP inputs annotated once, so q, k, v (and gate, up) share one gradient all-reduce."""
+    return {
+        "model.embed_tokens": rowwise(),
+        "model.layers.*.self_attn": prepare_in(Replicate()),
+        "model.layers.*.self_attn.[qkv]_proj": colwise(),
+        "model.layers.*.self_attn.o_proj": rowwise(),
+        "model.layers.*.mlp": prepare_in(Replicate()),
+        "model.layers.*.mlp.gate_proj": colwise(),
+        "model.layers.*.mlp.up_proj": colwise(),
+        "model.layers.*.mlp.down_proj": rowwise(),
+        "lm_head": colwise() >> prepare_out(Replicate()),
+    }
+
+
+def _llama(sp: bool = False, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**LLAMA, **config}))
+    return model, llama_plan(), _tokens()
+
+
+CASES = {"transformer": _reference, "transformer-sp": lambda: _reference(True), "llama": _llama}
+
+
+def _loss(out):
+    return (out.logits if hasattr(out, "logits") else out).sum()
+
+
+def _heads(case: str, model, tp: int):
+    return local_heads(model, tp) if case.startswith("transformer") else model
+
+
+def _real_run(case: str):
+    """On each of 2 gloo ranks: explain first (a default group exists here), then the real run."""
+    model, plan, x = CASES[case]()
+    predicted = tpfn.explain(_heads(case, clone(model), 2), plan, world_size=2, example_inputs=x)
+    expected = _loss(model(x))
+    tp = _heads(case, tpfn.parallelize(clone(model), mesh(2), plan), 2)
+    with CommDebugMode() as mode, record(tp) as comms:
+        loss = _loss(tp(x))
+        loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5), (loss, expected)  # the dry run left no trace
+    return tpfn.trace.counts(mode), comms, predicted.comms
+
+
+@pytest.fixture(scope="module")
+def real(ranks2):
+    """Per case: CommDebugMode's counts, the measured collectives, and explain's inside the rank."""
+    out = {}
+    for case in CASES:
+        ranks = ranks2.run(_real_run, case)
+        assert ranks[0] == ranks[1]
+        out[case] = ranks[0]
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_dry_run_equals_the_real_2_rank_run(real, case):
+    counts, measured, in_rank = real[case]
+    model, plan, x = CASES[case]()
+    report = tpfn.explain(_heads(case, model, 2), plan, world_size=2, example_inputs=x)
+    assert report.collectives == counts
+    assert report.comms == tuple(measured) == tuple(in_rank)
+    assert report.bytes == sum(c.bytes for c in measured)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_counts_and_sizes_are_those_of_the_real_run_at_every_world_size(real, case):
+    _, measured, _ = real[case]
+    model, plan, x = CASES[case]()
+    for n in WORLD_SIZES:
+        report = tpfn.explain(_heads(case, clone(model), n), plan, world_size=n, example_inputs=x)
+        assert [(c.fqn, c.phase, c.kind, c.numel, c.itemsize) for c in report.comms] == [
+            (c.fqn, c.phase, c.kind, c.numel, c.itemsize) for c in measured]
+        assert all(c.group_size == n for c in report.comms)
+        ring = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
+        assert report.bytes == sum(sympy.Rational(ring[c.kind], n) * c.numel * c.itemsize
+                                   for c in measured)
+        assert report.blocks_bytes == report.megatron_bytes  # these plans reach the minimum
+
+
+def test_inputs_may_be_tensors_meta_tensors_shapes_or_keywords():
+    model, plan, x = _llama()
+    by_shape = tpfn.explain(model, plan, world_size=2, example_inputs=(2, 64))
+    assert by_shape.inputs == (("input 0", (2, 64), "int64"),)
+    for given in (x, (x,), torch.empty(2, 64, dtype=torch.long, device="meta"), {"input_ids": x}):
+        assert tpfn.explain(model, plan, world_size=2, example_inputs=given).comms == by_shape.comms
+    assert tpfn.explain(model, plan, world_size=2, example_inputs={"input_ids": x}).inputs == (
+        ("input_ids", (2, 64), "int64"),)
+
+
+def test_collectives_belong_to_the_module_that_issued_them():
+    model, plan, x = _reference(sp=False)
+    report = tpfn.explain(local_heads(model, 4), plan, world_size=4, example_inputs=x)
+    assert {key: {k: n for k, (n, _) in v.items()} for key, v in report.traffic().items()} == {
+        ("tok_embeddings", "forward"): {"all_reduce": 1},
+        ("pos_embeddings", "forward"): {"all_reduce": 1},
+        ("layers.0.attention.wo", "forward"): {"all_reduce": 1},
+        ("layers.0.feed_forward.w2", "forward"): {"all_reduce": 1},
+        ("layers.1.attention.wo", "forward"): {"all_reduce": 1},
+        ("layers.1.feed_forward.w2", "forward"): {"all_reduce": 1},
+        ("output", "forward"): {"all_gather": 1},
+        ("output", "backward"): {"all_reduce": 1},  # the head's input gradient
+        ("layers.1.feed_forward.w1", "backward"): {"all_reduce": 1},
+        ("layers.1.attention", "backward"): {"all_reduce": 1},  # q, k, v's summed gradient
+        ("layers.0.feed_forward.w1", "backward"): {"all_reduce": 1},
+        ("layers.0.attention", "backward"): {"all_reduce": 1},
+    }
+
+
+def test_explain_leaves_the_module_as_it_was():
+    model, plan, x = _reference(sp=True)
+    local_heads(model, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    tpfn.explain(model, plan, world_size=2, example_inputs=x)
+    assert dict(model.named_parameters()) == params
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(p.is_meta or isinstance(p, DTensor) or p.grad is not None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or tpfn.mounted(m) for m in model.modules())
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_the_llama_3_70b_shape_sends_the_megatron_minimum():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                         num_attention_heads=64, num_key_value_heads=8, vocab_size=128256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    report = tpfn.explain(model, llama_plan(), world_size=8, example_inputs=(1, 4096))
+    assert report.collectives == {"all_reduce": 322, "all_gather": 1}  # 4 per block + 2
+    megatron = 80 * 8 * sympy.Rational(7, 8) * 1 * 4096 * 8192 * 2
+    assert report.blocks_bytes == report.megatron_bytes == megatron
+    head = {"lm_head.weight": (128256, 8192), "model.embed_tokens.weight": (128256, 8192)}
+    rows = {f"{r.fqn}.{p.name}": p for r in report.rows for p in r.params}
+    assert {k: rows[k].local for k in head} == {k: (((16032, 8192), 0, 7),) for k in head}
+    assert "ratio 1.00" in str(report) and report.lints == ()
+
+
+def test_symbolic_sizes_and_mesh_size_give_exact_formulas():
+    model, plan, _ = _llama()
+    report = tpfn.explain(model, plan, world_size=t, example_inputs=(b, s))
+    assert report.bytes == 21504 * b * s * (t - 1) / t
+    assert sympy.simplify(report.blocks_bytes - 2 * 8 * (t - 1) / t * b * s * 256 * 4) == 0
+    assert report.blocks_bytes == report.megatron_bytes
+    assert sympy.simplify(report.param_bytes - 5120 * (t + 1024) / t) == 0
+    concrete = tpfn.explain(model, plan, world_size=4, example_inputs=(3, 10))
+    at = {b: 3, s: 10, t: 4}
+    assert [(c.kind, c.numel.subs(at), c.bytes.subs(at)) for c in report.comms] == [
+        (c.kind, c.numel, c.bytes) for c in concrete.comms]
+    assert report.to_dict()["bytes_per_step"] == "21504*b*s*(t - 1)/t"
+
+
+def test_stand_in_sizes_can_be_chosen():
+    model = local_heads(transformer(vocab_size=16, max_seq_len=64), 2)
+    with pytest.raises(PlanError, match=r"seq_len <= max_seq_len, got 200 > 64"):
+        tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(b, s), sizes={s: 8})
+    report = tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(b, s),
+                          sizes={s: 2, b: 1})
+    assert report.megatron_bytes == report.blocks_bytes == 2 * 8 * b * s * 16 * 4 / 2
+
+
+class _Pad(nn.Module):
+    """Adds one position before a row-wise linear: its all-reduce moves b * (s + 1) * 4 values."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.w(torch.cat([x, x[:, :1]], dim=1))
+
+
+class _PerRow(nn.Module):
+    """Runs its row-wise linear once per batch row: the number of collectives grows with b."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.stack([self.w(row) for row in x])
+
+
+def test_sizes_that_are_no_product_of_symbols_are_an_error():
+    plan = {"w": prepare_in(Replicate()) >> rowwise()}
+    with pytest.raises(ValueError) as e:
+        tpfn.explain(_Pad(), plan, world_size=2, example_inputs=(b, s, 4), dtype=torch.float32)
+    assert str(e.value) == (
+        "the forward all_reduce of 'w' moves 24, 264 and 3672 elements at (b, s) = (2, 2), (6, 10), "
+        "(18, 50): not a product of powers of b, s, so no formula in them is exact; give these "
+        "sizes as numbers, or other stand-ins with sizes=.")
+    with pytest.raises(ValueError) as e:
+        tpfn.explain(_PerRow(), plan, world_size=2, example_inputs=(b, 3, 4), dtype=torch.float32)
+    assert str(e.value) == (
+        "the collectives differ between the stand-in sizes (b) = (2), (6), (18): {'all_reduce': 2}, "
+        "{'all_reduce': 6}, {'all_reduce': 18}; give these sizes as numbers.")
+    assert tpfn.explain(_PerRow(), plan, world_size=2, example_inputs=(5, s, 4),
+                        dtype=torch.float32).bytes == 5 * s * 4 * 4
+
+
+def test_the_classic_global_head_view_fails_at_its_module_with_a_hint():
+    model, plan, x = _reference(sp=False)
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=4, example_inputs=x)  # n_heads left at 64
+    assert e.value.problems == [
+        "the dry run's forward failed in 'layers.0.attention' (Attention): RuntimeError: shape "
+        "'[2, 64, 64, 4]' is invalid for input of size 8192. Hint: 'layers.0.attention' reshapes "
+        "the local outputs of its colwise() 'wq', 'wk', 'wv': each of the 4 ranks holds 1/4 of "
+        "their features (of the heads), so a view with the global head count fails; view with "
+        "the local count (heads // 4) or -1, or hand it DTensors with colwise(local=False)."]
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_heads_and_kv_heads_fewer_than_ranks_are_reported():
+    model, plan, x = _llama(num_attention_heads=16, num_key_value_heads=4)
+    report = tpfn.explain(model, plan, world_size=4, example_inputs=x)
+    assert report.lints == ()
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=8, example_inputs=x)
+    assert e.value.problems[1:] == [
+        "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 4 heads of 16 "
+        "features: fewer heads than the 8 ranks, so colwise() cannot give each rank a whole head; "
+        "use at most 4 ranks for tensor parallelism (and 1 more like it)."]
+    assert e.value.problems[0].startswith(
+        "the dry run's forward failed in 'model.layers.0.self_attn' (LlamaAttention): RuntimeError:")
+    report = tpfn.explain(model, plan, world_size=3)
+    assert report.lints[0] == (
+        "'q_proj' of 'model.layers.0.self_attn' (LlamaAttention) projects 16 heads of 16 features: "
+        "the 3 ranks do not divide them, so ranks would hold parts of heads; choose a mesh size "
+        "that divides 16 (and 1 more like it).")
+
+
+def test_uneven_dims_and_unsharded_siblings_are_linted():
+    model = local_heads(transformer(vocab_size=10, max_seq_len=16), 4)
+    plan = transformer_plan(False)
+    del plan["layers.*.attention.w[qkv]"]
+    plan["layers.*.attention.w[qk]"] = colwise()  # wv forgotten
+    report = tpfn.explain(model, plan, world_size=4)
+    assert report.lints == (
+        "'tok_embeddings.weight' Shard(dim=0) is uneven over 4 ranks: (10, 16) -> (3, 16) on ranks "
+        "0-2, (1, 16) on rank 3; pad dim 0 (10) to a multiple of 4, or choose a mesh size that "
+        "divides it.",
+        "'layers.0.attention.wv' (Linear) keeps weight whole on every rank while its sibling "
+        "'layers.0.attention.wq' shards it (weight Shard(dim=0)); bind 'layers.0.attention.wv' in "
+        "the plan too, or leave both unsharded (and 1 more like it).",
+    )
+    first_block_only = {"layers.0.feed_forward.w1": colwise(), "layers.0.feed_forward.w2": rowwise()}
+    assert tpfn.explain(model, first_block_only, world_size=2).lints == (
+        "'layers.1' (TransformerBlock) keeps feed_forward.w1.weight, feed_forward.w1.bias, "
+        "feed_forward.w2.weight whole on every rank while its sibling 'layers.0' shards them "
+        "(feed_forward.w1.weight Shard(dim=0), feed_forward.w1.bias Shard(dim=0), "
+        "feed_forward.w2.weight Shard(dim=1)); bind 'layers.1' in the plan too, or leave both "
+        "unsharded.",)
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=4, example_inputs=(2, 8))
+    assert e.value.problems[0] == (
+        "the dry run's forward failed in 'layers.0.attention.wv' (Linear): RuntimeError: "
+        "aten.mm.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to "
+        "DTensor before calling distributed operators! Hint: 'layers.0.attention.wv' computes on "
+        "DTensors it is handed, but holds plain parameters: bind it in the plan (colwise(), "
+        "rowwise(), replicate(), ...), or hand it local tensors.")
+    assert e.value.problems[1:] == list(report.lints)
+
+
+def test_rows_hold_placements_local_shapes_and_transitions():
+    model = local_heads(transformer(vocab_size=10, max_seq_len=16), 4)
+    report = tpfn.explain(model, transformer_plan(False), world_size=4, example_inputs=(2, 8))
+    rows = {r.fqn: r for r in report.rows}
+    assert [r.fqn for r in report.rows] == [fqn for fqn, _ in model.named_modules()]
+    uneven = (((3, 16), 0, 2), ((1, 16), 3, 3))
+    assert rows["tok_embeddings"].params == (Param("weight", Shard(0), (10, 16), uneven, 4),)
+    assert rows["output"].params == (
+        Param("weight", Shard(0), (10, 16), uneven, 4, tied="tok_embeddings.weight"),)
+    assert rows["norm"].params[0] == Param("weight", None, (16,), (((16,), 0, 3),), 4)
+    assert rows["output"].transitions == (
+        Transition("input 0", Replicate(), Replicate(), ()),
+        Transition("output 0", Shard(2), Replicate(), (AllGather(dim=2),)))
+    assert rows["layers.0.attention.wo"].transitions[1] == Transition(
+        "output 0", Partial(), Replicate(), (AllReduce(),))
+    assert rows["output"].params[0].text == \
+        "(10, 16) -> (3, 16) on ranks 0-2, (1, 16) on rank 3 (tied to tok_embeddings.weight)"
+    assert report.param_bytes == _param_bytes(model, 4)
+    declared = tpfn.explain(model, transformer_plan(False), world_size=4)
+    assert {r.fqn: r.transitions for r in declared.rows}["output"][1] == Transition(
+        "output 0", Shard(-1), Replicate(), (AllGather(dim=-1),))
+    assert declared.comms == () and declared.megatron is None
+
+
+def _param_bytes(model: nn.Module, n: int) -> int:
+    """Rank 0's parameter bytes by hand: shards of torch.chunk, everything else whole."""
+    sharded = {"tok_embeddings.weight": 0, "pos_embeddings.weight": 0}
+    for i in range(len(model.layers)):
+        for name, dim in (("attention.wq", 0), ("attention.wk", 0), ("attention.wv", 0),
+                          ("attention.wo", 1), ("feed_forward.w1", 0), ("feed_forward.w2", 1)):
+            sharded[f"layers.{i}.{name}.weight"] = dim
+        sharded[f"layers.{i}.feed_forward.w1.bias"] = 0
+    total = 0
+    for name, p in model.named_parameters():
+        numel = p.numel()
+        if name in sharded:
+            numel = p.chunk(n, sharded[name])[0].numel()
+        total += numel * p.element_size()
+    return total
+
+
+def test_the_table_prints_each_module_once_and_repeated_blocks_with_their_count():
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
+                          example_inputs=torch.randn(8, 16, requires_grad=True))
+    assert str(report) == """\
+tpfn.explain on 4 ranks: one forward and backward of input 0 (8, 16) float32
+
+module      style | layout                global -> local | steps  forward             backward
+0 (Linear)  colwise()                                              -                   1 all_reduce 768 B
+  weight    Shard(dim=0)                  (64, 16) -> (16, 16)
+  bias      Shard(dim=0)                  (64,) -> (16,)
+  input 0   Replicate() -> Replicate()    -
+  output 0  Shard(dim=1) -> Shard(dim=1)  -
+2 (Linear)  rowwise()                                              1 all_reduce 768 B  -
+  weight    Shard(dim=1)                  (16, 64) -> (16, 16)
+  bias      Replicate()                   (16,) -> (16,)
+  input 0   Shard(dim=1) -> Shard(dim=1)  -
+  output 0  Partial() -> Replicate()      AllReduce()
+
+collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_reduce
+bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
+parameter bytes per rank: 2,176 B (2.1 KiB)"""
+    model = local_heads(transformer(vocab_size=16, n_layers=3), 2)
+    table = str(tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(2, 8)))
+    assert re.search(r"^layers\.\*\.attention\.wo \(Linear\) x3 +rowwise\(\) >> "
+                     r"prepare_out\(Shard\(dim=1\)\) +1 reduce_scatter 512 B +1 all_gather 512 B$",
+                     table, re.M)
+    assert "Megatron minimum, 3 blocks: 8(t-1)/t*b*s*h*e each with b*s=16, h=16, e=4: 12,288 B " \
+           "(12.0 KiB); measured in the blocks: 12,288 B (12.0 KiB); ratio 1.00" in table
+
+
+def test_to_dict_is_json_ready():
+    model, plan, _ = _llama()
+    report = tpfn.explain(model, plan, world_size=4, example_inputs=(b, 64))
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["collectives"] == {"forward": {"all_reduce": 5, "all_gather": 1},
+                                   "backward": {"all_reduce": 5},
+                                   "total": {"all_reduce": 10, "all_gather": 1}}
+    assert data["bytes_per_step"] == str(report.bytes) == "1032192*b"
+    head = next(m for m in data["modules"] if m["fqn"] == "lm_head")
+    assert head["params"] == [{"name": "weight", "placement": "Shard(dim=0)", "shape": [256, 256],
+                               "local": [{"shape": [64, 256], "ranks": [0, 3]}],
+                               "bytes_per_rank": 65536, "tied_to": None}]
+    assert head["forward"] == {"all_gather": {"count": 1, "bytes": "49152*b"}}
+    assert data["megatron"] == {"blocks": 2, "tokens": "64*b", "hidden": 256, "itemsize": 4,
+                                "formula_bytes": "786432*b", "measured_bytes": "786432*b"}
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.open = [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag not in ("meta",):
+            self.open.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.open.pop() == tag
+
+
+def test_the_html_picture_is_self_contained_and_shows_every_module():
+    model = local_heads(transformer(vocab_size=16), 2)
+    report = tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(2, 8))
+    page = report.to_html()
+    parser = _Tags()
+    parser.feed(page)
+    assert parser.open == []  # every element closed
+    assert not re.search(r"https?:|//|<script|<link|<img|<iframe|url\(|@import", page)
+    assert {tag for tag, _ in parser.tags} <= {"html", "head", "meta", "title", "style", "body", "h1",
+                                               "h2", "table", "tr", "td", "p", "span", "details",
+                                               "summary", "code", "ul", "li"}
+    for fqn, _ in model.named_modules():
+        assert f"<code>{fqn.rpartition('.')[2] or '&lt;root&gt;'}</code>" in page
+    assert '<span class="badge shard">Shard(dim=0)</span>' in page
+    assert "<code>wo</code> <span class=\"type\">Linear</span>" in page
+    assert "sends 1.0 KiB" in page and "ratio 1.00" in page
+
+
+def test_bad_arguments_are_named():
+    mlp = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=r"^'world_size' must be a positive int or a sympy Symbol "
+                                        r"\(got 0"):
+        tpfn.explain(mlp, colwise(), world_size=0)
+    with pytest.raises(TypeError, match=r"^'example_inputs' must be a tensor, a shape, a tuple of them"):
+        tpfn.explain(mlp, colwise(), world_size=2, example_inputs="x")
+    with pytest.raises(ValueError, match=r"^sizes names s, which no example input shape nor the world "
+                                         r"size uses \(symbols: b\)\.$"):
+        tpfn.explain(mlp, colwise(), world_size=2, example_inputs=(b, 4), sizes={s: 2})
+    with pytest.raises(PlanError, match="'norm' -> colwise\\(\\) matches no module"):
+        tpfn.explain(mlp, {"norm": colwise()}, world_size=2)
+
+
+def _dtensors():
+    model = tpfn.parallelize(nn.Linear(4, 4), mesh(2), colwise())
+    found = []
+    for module, x in ((model, None), (nn.Linear(4, 4), model.weight)):
+        try:
+            tpfn.explain(module, colwise(), world_size=2, example_inputs=x)
+        except (TypeError, ValueError) as e:
+            found.append(str(e))
+    return found
+
+
+def test_explain_takes_the_module_before_parallelize_and_local_inputs(ranks2):
+    assert ranks2.run(_dtensors)[0] == [
+        "'weight' is already a DTensor: explain takes the module as it is before parallelize "
+        "(build it on the meta device if it is big).",
+        "example inputs are local values as a rank passes them: give a tensor, a meta tensor or "
+        "a shape, not a DTensor (got one of shape (4, 4)).",
+    ]
+
+
+class _Broadcasts(nn.Module):
+    def forward(self, x):
+        return funcol.broadcast(x, 0, fake_mesh(2))
+
+
+def test_record_refuses_collectives_outside_the_ring_model():
+    model = nn.Sequential(_Broadcasts())
+    with pytest.raises(ValueError) as e, record(model):
+        model(torch.ones(2, device="meta"))
+    assert str(e.value) == (
+        "'0' issued _c10d_functional.broadcast.default (broadcast) in the forward: tpfn measures "
+        "the collectives tensor parallelism uses, all_gather, all_reduce, reduce_scatter, "
+        "all_to_all; record a region without it.")
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks  # record cleaned up
+
+
+def _c10d_collectives():
+    model = nn.Linear(2, 2)
+    x = torch.ones(4, 2)
+    with record(model) as comms:
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(torch.empty(8, 2), x)
+        dist.reduce_scatter_tensor(torch.empty(2, 2), x)
+        dist.all_reduce_coalesced([x, torch.ones(2)])
+    return comms
+
+
+def test_record_measures_c10d_collectives_too(ranks2):
+    assert ranks2.run(_c10d_collectives)[0] == [
+        Comm(None, "forward", "all_reduce", 8, 2, 4),
+        Comm(None, "forward", "all_gather", 16, 2, 4),
+        Comm(None, "forward", "reduce_scatter", 8, 2, 4),
+        Comm(None, "forward", "all_reduce", 10, 2, 4),  # coalesced: one collective of both
+    ]
+
+
+def test_a_collective_after_the_backward_belongs_to_no_module():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    engine = torch.autograd.Variable._execution_engine
+
+    def reduce_at_the_end(param):
+        engine.queue_callback(lambda: funcol.all_reduce(param.grad, "sum", fake_mesh(4)))
+
+    model.weight.register_post_accumulate_grad_hook(reduce_at_the_end)
+    with record(model) as comms:
+        model(torch.ones(2, 4, device="meta")).sum().backward()
+    assert comms == [Comm(None, "backward", "all_reduce", 16, 4, 4)]
+
+
+@given(vocab=st.integers(1, 40), n=st.integers(1, 9), tokens=st.integers(1, 6))
+def test_local_shapes_tile_and_bytes_follow_the_ring_model(vocab, n, tokens):
+    model = nn.Sequential(nn.Embedding(vocab, 4), nn.Linear(4, vocab, bias=False))
+    report = tpfn.explain(model, {"0": rowwise(), "1": colwise() >> prepare_out(Replicate())},
+                          world_size=n, example_inputs=(tokens,))
+    sizes = [len(c) for c in torch.arange(vocab).chunk(n)]
+    sizes += [0] * (n - len(sizes))  # torch.chunk leaves the last ranks empty
+    for row in report.rows:
+        for p in row.params:
+            assert [shape for shape, first, last in p.local for _ in range(first, last + 1)] == [
+                (size, 4) for size in sizes]
+    padded = n * -(-vocab // n) * tokens  # DTensor pads uneven shards to gather them
+    expected = [] if n == 1 else [Comm("0", "forward", "all_reduce", tokens * 4, n, 4),
+                                  Comm("1", "forward", "all_gather", padded, n, 4),
+                                  Comm("1", "backward", "all_reduce", tokens * 4, n, 4)]
+    assert list(report.comms) == expected
+    ring = sympy.Rational(n - 1, n)
+    assert report.bytes == 4 * ring * (2 * tokens * 4 * 2 + padded)

@@ -1,0 +1,426 @@
+"""``explain``: a dry run of a plan on any world size, in one process, before any GPU is used.
+
+The real interpreter runs on a copy of the module whose parameters are meta tensors (no
+memory), over a fake process group of ``world_size`` ranks (collectives do nothing). The
+run is seen from rank 0. With example inputs it runs one forward and the backward of the
+sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
+each collective. The user's module is never changed.
+
+The fake group is private: it is registered under its own name for the functional
+collectives and never becomes the default process group, so ``explain`` also runs inside
+a job (or a test rank) whose default group is already initialized.
+
+Sizes may be sympy symbols (batch, sequence, the mesh size). The dry run then runs three
+times with stand-in sizes ``v``, ``v*r`` and ``v*r**2`` (``r`` a distinct prime per symbol,
+2 for the mesh size), fits each collective's size as ``c * prod(symbol**k)`` from the first
+two runs and checks the fit against the third; a size that is no such product is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+from collections.abc import Mapping
+from fractions import Fraction
+
+import attrs
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._C._distributed_c10d import (
+    FakeProcessGroup,
+    ProcessGroup,
+    _register_process_group,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tpfn import lint
+from tpfn.algebra import local_shape, transition
+from tpfn.errors import PlanError
+from tpfn.interpret import mounted, parallelize
+from tpfn.layout import Shard, from_torch, normalize
+from tpfn.record import record
+from tpfn.report import Megatron, Param, Report, Row, Transition
+
+__all__ = ["explain", "fake_mesh"]
+
+
+@functools.cache
+def fake_mesh(world_size: int) -> DeviceMesh:
+    """A 1-D mesh of ``world_size`` fake ranks seen from rank 0, made once per size and kept.
+
+    Its process group is fake (collectives do nothing) and private: it never becomes the
+    default group. Meshes compare by ranks and dim names, not by process group, so DTensor's
+    caches would take a fake mesh for a real one of the same size: its dim name keeps them apart.
+
+    >>> from tpfn.dryrun import fake_mesh
+    >>> fake_mesh(8).size(), fake_mesh(8).mesh_dim_names
+    (8, ('tpfn-explain-8',))
+    """
+    name = f"tpfn-explain-{world_size}"
+    group = ProcessGroup(dist.HashStore(), 0, world_size)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
+                            FakeProcessGroup._create_internal(0, world_size))
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
+                      _init_backend=False, _rank=0)
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    return mesh
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept)."""
+    memo: dict = {}
+    for fqn, sub in module.named_modules():
+        for name, value in itertools.chain(sub._parameters.items(), sub._buffers.items(),
+                                           vars(sub).items()):
+            if not isinstance(value, torch.Tensor) or id(value) in memo:
+                continue
+            if isinstance(value, DTensor):
+                raise ValueError(
+                    f"{'.'.join(x for x in (fqn, name) if x)!r} is already a DTensor: explain takes "
+                    "the module as it is before parallelize (build it on the meta device if it is "
+                    "big).")
+            meta = torch.empty_like(value, device="meta")
+            memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
+                value, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+@attrs.frozen
+class _Input:
+    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
+
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    def meta(self, values: dict) -> torch.Tensor:
+        shape = [int(sympy.sympify(d).subs(values)) for d in self.shape]
+        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
+
+
+def _is_shape(x) -> bool:
+    sizes = lambda d: isinstance(d, (int, sympy.Expr)) and not isinstance(d, bool)  # noqa: E731
+    return isinstance(x, (tuple, list, torch.Size)) and all(map(sizes, x))
+
+
+def _input(x, dtype):
+    if isinstance(x, DTensor):
+        raise TypeError("example inputs are local values as a rank passes them: give a tensor, "
+                        f"a meta tensor or a shape, not a DTensor (got one of shape {tuple(x.shape)}).")
+    if isinstance(x, torch.Tensor):
+        return _Input(tuple(x.shape), x.dtype, x.requires_grad)
+    if _is_shape(x):
+        return _Input(tuple(x), dtype)
+    return x
+
+
+def _inputs(example_inputs, dtype) -> tuple:
+    """``(args, kwargs)`` with every tensor or shape as an ``_Input``."""
+    if isinstance(example_inputs, Mapping):
+        return (), {k: _input(v, dtype) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor) or (_is_shape(example_inputs) and example_inputs):
+        return (_input(example_inputs, dtype),), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(_input(x, dtype) for x in example_inputs), {}
+    raise TypeError(
+        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
+        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
+
+
+def _local(shape: tuple, placement, shown, n: int) -> tuple:
+    """``((local shape, first rank, last rank), ...)`` for runs of ranks holding one shape."""
+    if not isinstance(placement, Shard):
+        return ((shape, 0, shown - 1),)
+    if isinstance(shown, sympy.Basic):  # nominal: the mesh size divides it
+        nominal = list(shape)
+        nominal[placement.dim] = sympy.sympify(shape[placement.dim]) / shown
+        return ((tuple(nominal), 0, shown - 1),)
+    if shape[placement.dim] % (n * placement.parts) == 0:
+        return ((local_shape(shape, placement, (n,), (0,)), 0, n - 1),)
+    runs: list = []
+    for c in range(n):
+        s = local_shape(shape, placement, (n,), (c,))
+        if runs and runs[-1][0] == s:
+            runs[-1][2] = c
+        else:
+            runs.append([s, c, c])
+    return tuple(map(tuple, runs))
+
+
+def _rows(module: nn.Module, shown, n: int) -> list:
+    """A row per module with its own parameters (a tied one names its first owner)."""
+    first: dict = {}
+    rows = []
+    for fqn, sub in module.named_modules():
+        params = []
+        for name, p in sub._parameters.items():
+            if p is None:
+                continue
+            full = f"{fqn}.{name}" if fqn else name
+            owner = first.setdefault(id(p), full)
+            placement = from_torch(p.placements)[0] if isinstance(p, DTensor) else None
+            shape = tuple(p.shape)
+            params.append(Param(name, placement, shape, _local(shape, placement, shown, n),
+                                p.dtype.itemsize, None if owner == full else owner))
+        mount = mounted(sub)
+        rows.append(Row(fqn, type(sub).__name__, None if mount is None else mount.style, tuple(params)))
+    return rows
+
+
+def _observe(x):
+    """(layout or None for a plain tensor, ndim) of a tensor; None for anything else."""
+    if isinstance(x, DTensor):
+        return from_torch(x.placements), x.ndim
+    return (None, x.ndim) if isinstance(x, torch.Tensor) else None
+
+
+def _slots(mount) -> list:
+    """(label, slot) of every input and output slot a mount prepares."""
+    spec_in, spec_out = mount.inputs, mount.outputs
+    return [*((f"input {i}", s) for i, s in enumerate(spec_in.slots)),
+            *((f"input {k!r}", s) for k, s in spec_in.kwargs),
+            *((f"output {i}", s) for i, s in enumerate(spec_out.slots)),
+            *((f"output {k!r}", s) for k, s in spec_out.keys)]
+
+
+def _transitions(mount, seen, ran: bool) -> tuple:
+    """The transition of each slot, from the layouts seen in the run (else as declared)."""
+    out = []
+    for label, slot in _slots(mount):
+        if slot.untouched or (ran and label not in seen):
+            continue  # left alone, or not passed in the run
+        layout, ndim = seen.get(label, (None, None))
+        given = layout[0] if layout is not None else (
+            slot.given if slot.given is not None else slot.desired)
+        desired = slot.desired if slot.desired is not None else given
+        if ndim is not None:
+            given, desired = normalize(given, ndim)[0], normalize(desired, ndim)[0]
+        out.append(Transition(label, given, desired, transition(given, desired)))
+    return tuple(out)
+
+
+def _watch(module: nn.Module, seen: dict, block) -> None:
+    """Hooks (on the dry run's own copy) that note the layouts at each mounted module's slots
+    in ``seen[fqn]``, and the width and element size of ``block``'s input in ``seen[None]``."""
+    def inputs(fqn, mount):
+        def hook(m, args, kwargs):
+            if fqn in seen:
+                return
+            found = seen[fqn] = {}
+            for i, name in enumerate(mount.inputs.names or range(len(args))):
+                x = args[i] if i < len(args) else kwargs.get(name)
+                if _observe(x) is not None:
+                    found[f"input {i}"] = _observe(x)
+            for k, _ in mount.inputs.kwargs:
+                if _observe(kwargs.get(k)) is not None:
+                    found[f"input {k!r}"] = _observe(kwargs[k])
+        return hook
+
+    def outputs(fqn, mount):
+        def hook(m, args, out):
+            found = seen[fqn]
+            if any(label.startswith("output") for label in found):
+                return
+            items = list(out.values()) if isinstance(out, Mapping) else (
+                list(out) if isinstance(out, (tuple, list)) else [out])
+            for i, x in enumerate(items):
+                if _observe(x) is not None:
+                    found[f"output {i}"] = _observe(x)
+            for k, _ in mount.outputs.keys:
+                if isinstance(out, Mapping) and _observe(out.get(k)) is not None:
+                    found[f"output {k!r}"] = _observe(out[k])
+        return hook
+
+    def block_input(m, args, kwargs):
+        if None not in seen:
+            x = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+            seen[None] = (x.shape[-1], x.dtype.itemsize)
+
+    for fqn, sub in module.named_modules():
+        mount = mounted(sub)
+        if mount is not None:
+            sub.register_forward_pre_hook(inputs(fqn, mount), prepend=True, with_kwargs=True)
+            sub.register_forward_hook(outputs(fqn, mount), prepend=True)
+    if block is not None:
+        module.get_submodule(block).register_forward_pre_hook(
+            block_input, prepend=True, with_kwargs=True)
+
+
+def _blocks(module: nn.Module) -> tuple:
+    """The FQNs of the longest ``nn.ModuleList`` of two or more modules of one type."""
+    lists = [(len(m), fqn, m) for fqn, m in module.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1]
+    if not lists:
+        return ()
+    _, fqn, blocks = max(lists, key=lambda x: x[0])
+    return tuple(f"{fqn}.{i}" if fqn else str(i) for i in range(len(blocks)))
+
+
+def _floats(out) -> list:
+    """Every floating-point tensor in an output (tensors, tuples, lists, dicts) that needs a gradient."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() and out.requires_grad else []
+    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
+    return [t for x in items for t in _floats(x)]
+
+
+def _tokens(x: _Input):
+    """b*s of the first input: its elements (token ids), or per last dim for embeddings."""
+    dims = x.shape[:-1] if x.dtype.is_floating_point else x.shape
+    return sympy.Mul(*map(sympy.sympify, dims))
+
+
+def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, values: dict, block):
+    """One forward and backward of ``model``: the collectives, and what ``_watch`` saw."""
+    seen: dict = {}
+    _watch(model, seen, block)
+    args = tuple(x.meta(values) if isinstance(x, _Input) else x for x in args)
+    kwargs = {k: x.meta(values) if isinstance(x, _Input) else x for k, x in kwargs.items()}
+    phase = "forward"
+    try:
+        with record(model) as comms:
+            out = model(*args, **kwargs)
+            phase = "backward"
+            grads = [t.sum() for t in _floats(out)]
+            if grads:
+                torch.autograd.backward(grads)
+    except Exception as exc:
+        raise PlanError([lint.failure(exc, model, mounts, n, phase), *lints]) from exc
+    return comms, seen
+
+
+def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict) -> Report:
+    """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
+    model = _meta_copy(module)
+    parallelize(model, fake_mesh(n), plan, src_rank=None)
+    mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
+    rows = _rows(model, shown, n)
+    lints = [*lint.heads(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
+    ran, blocks = args is not None, _blocks(model)
+    comms, seen = _run(model, mounts, lints, n, args, kwargs, values,
+                       blocks[0] if blocks else None) if ran else ([], {})
+    rows = [attrs.evolve(r, transitions=_transitions(mounts[r.fqn], seen.get(r.fqn, {}), ran))
+            if r.fqn in mounts else r for r in rows]
+    described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
+    inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch."))
+                   for name, x in described if isinstance(x, _Input))
+    first = next((x for _, x in described if isinstance(x, _Input)), None)
+    megatron = None
+    if None in seen and first is not None:
+        megatron = Megatron(blocks, _tokens(first), *seen[None])
+    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron)
+
+
+def _monomial(sizes: list, runs: list, symbols: list, what: str):
+    """``c * prod(x**k)`` through the sizes of the first two runs, checked against the third."""
+    (a, b, c), (va, vb, vc) = sizes, runs
+    if a == 0 or b == 0:
+        expr = sympy.Integer(0) if a == b == 0 else None
+    else:
+        ratio, powers = Fraction(b, a), {}
+        for x in symbols:
+            r, k = vb[x] // va[x], 0
+            while ratio.numerator % r == 0:
+                ratio, k = ratio / r, k + 1
+            while ratio.denominator % r == 0:
+                ratio, k = ratio * r, k - 1
+            powers[x] = k
+        coefficient = Fraction(a) / math.prod(Fraction(va[x]) ** k for x, k in powers.items())
+        expr = None if ratio != 1 else sympy.Rational(coefficient.numerator, coefficient.denominator) \
+            * sympy.Mul(*(x ** k for x, k in powers.items()))
+    if expr is None or expr.subs(vc) != c:
+        raise ValueError(
+            f"the {what} moves {a}, {b} and {c} elements at {_at(symbols, runs)}: not a product of "
+            f"powers of {', '.join(map(str, symbols))}, so no formula in them is exact; give these "
+            "sizes as numbers, or other stand-ins with sizes=.")
+    return expr
+
+
+def _at(symbols: list, runs: list) -> str:
+    """``'(b, s) = (2, 2), (6, 10), (18, 50)'``: the stand-in sizes of the runs."""
+    names = ", ".join(map(str, symbols))
+    return f"({names}) = " + ", ".join("(" + ", ".join(str(v[x]) for x in symbols) + ")" for v in runs)
+
+
+def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict) -> Report:
+    """Three dry runs at stand-in sizes; collective sizes fitted as formulas in the symbols."""
+    mesh_symbol = world_size if isinstance(world_size, sympy.Basic) else None
+    t0 = sizes.get(mesh_symbol, 2)
+    default = 4 * t0 if mesh_symbol is not None else world_size
+    primes = iter(sympy.primerange(3, 10**6))
+    factor = {x: 2 if x == mesh_symbol else next(primes) for x in symbols}
+    base = {x: sizes.get(x, t0 if x == mesh_symbol else default) for x in symbols}
+    runs = [{x: v * factor[x] ** j for x, v in base.items()} for j in range(3)]
+    reports = [_dry_run(module, plan, int(sympy.sympify(world_size).subs(v)), world_size,
+                        args, kwargs, v) for v in runs]
+    shapes = [[(c.fqn, c.phase, c.kind, c.itemsize) for c in r.comms] for r in reports]
+    if not shapes[0] == shapes[1] == shapes[2]:
+        raise ValueError(f"the collectives differ between the stand-in sizes {_at(symbols, runs)}: "
+                         f"{', '.join(map(str, (r.collectives for r in reports)))}; give these sizes "
+                         "as numbers.")
+    comms = tuple(
+        attrs.evolve(c, numel=_monomial([r.comms[i].numel for r in reports], runs, symbols,
+                                        f"{c.phase} {c.kind} of {c.fqn!r}"), group_size=world_size)
+        for i, c in enumerate(reports[0].comms))
+    return attrs.evolve(reports[0], comms=comms)
+
+
+def _check_world_size(world_size):
+    if isinstance(world_size, sympy.Symbol) or (
+            isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
+        return world_size
+    raise TypeError(f"'world_size' must be a positive int or a sympy Symbol (got {world_size!r} "
+                    f"that is a {type(world_size)!r}).")
+
+
+def explain(module: nn.Module, plan, *, world_size, example_inputs=None, dtype: torch.dtype = torch.long,
+            sizes: dict | None = None) -> Report:
+    """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
+
+    - ``module``: any module (on any device, or meta); it is copied to meta, never changed.
+    - ``plan``: what ``parallelize`` takes; a ``PlanError`` lists what makes it unusable, and
+      a forward or backward that fails in the dry run is a ``PlanError`` naming the module
+      where it failed, with a hint where the cause is a usual one, and the lints.
+    - ``world_size``: the number of ranks, or a sympy symbol for formulas in the mesh size.
+    - ``example_inputs``: a tensor, a meta tensor or a shape (a tuple of ints or sympy
+      expressions), a tuple of them (positional inputs) or a dict (keyword inputs); without
+      them nothing runs and the report holds placements and declared layouts only.
+    - ``dtype``: the dtype of inputs given as shapes (token ids by default).
+    - ``sizes``: stand-in values for symbols (see the module docstring).
+
+    >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
+    ...                       example_inputs=(8, 16), dtype=torch.float32)
+    >>> report.collectives, report.bytes      # the row-wise all-reduce of 8 x 16 floats
+    ({'all_reduce': 1}, 768)
+    >>> import sympy
+    >>> b, t = sympy.symbols("b t", positive=True, integer=True)
+    >>> tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=t,
+    ...              example_inputs=(b, 16), dtype=torch.float32).bytes
+    128*b*(t - 1)/t
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
+    world_size = _check_world_size(world_size)
+    args, kwargs = (None, None) if example_inputs is None else _inputs(example_inputs, dtype)
+    shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, _Input)]
+    symbols = sorted({s for shape in shapes for d in shape for s in sympy.sympify(d).free_symbols}
+                     | ({world_size} if isinstance(world_size, sympy.Symbol) else set()), key=str)
+    sizes = dict(sizes or {})
+    for x, v in sizes.items():
+        if x not in symbols:
+            raise ValueError(f"sizes names {x!r}, which no example input shape nor the world size "
+                             f"uses (symbols: {', '.join(map(str, symbols)) or 'none'}).")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TypeError(f"sizes[{x!r}] must be a positive int (got {v!r}).")
+    if not symbols:
+        return _dry_run(module, plan, world_size, world_size, args, kwargs, {})
+    return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes)

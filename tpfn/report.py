@@ -1,0 +1,395 @@
+"""The report of a dry run: what every module holds, how its tensors move, what it communicates.
+
+A ``Report`` is a value built by ``tpfn.explain``. ``str(report)`` is a table for a
+terminal, ``report.to_dict()`` is JSON-ready, ``report.to_html()`` is a page to look at.
+Bytes follow the ring model of ``tpfn.algebra.comm_bytes`` applied to the tensor each
+collective really moved; they are sympy expressions where sizes were given as symbols.
+
+>>> c = Comm("layers.0.w2", "forward", "all_reduce", numel=4096, group_size=4, itemsize=2)
+>>> c.bytes
+12288
+>>> fmt_bytes(12288), fmt_bytes(3 * 2**30)
+('12.0 KiB', '3.0 GiB')
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import attrs
+import sympy
+
+from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
+from tpfn.layout import Placement, Replicate, Shard
+from tpfn.style import Style
+
+__all__ = ["Comm", "Param", "Transition", "Row", "Megatron", "Report", "fmt_bytes", "generalize",
+           "summary"]
+
+# The one-step program whose ring cost is each kind's: sizes are of the whole tensor.
+_STEPS = {
+    "all_gather": AllGather(dim=0),
+    "all_reduce": AllReduce(),
+    "reduce_scatter": ReduceScatter(dim=0),
+    "all_to_all": AllToAll(src_dim=0, dst_dim=0),
+}
+KINDS = tuple(_STEPS)
+
+
+def _number(x):
+    """An int where the value is one, a float for another number, else the expression as text."""
+    x = sympy.sympify(x)
+    if x.free_symbols:
+        return str(x)
+    return int(x) if x.is_integer else float(x)
+
+
+def _total(values):
+    total = sum(values, sympy.Integer(0))
+    return sympy.factor(total) if total.free_symbols else total
+
+
+def fmt_bytes(n) -> str:
+    """Bytes for a person; a symbolic size as its formula.
+
+    >>> fmt_bytes(512), fmt_bytes(12288), fmt_bytes(sympy.Symbol("b") * 8)
+    ('512 B', '12.0 KiB', '8*b')
+    """
+    n = sympy.sympify(n)
+    if n.free_symbols:
+        return str(n)
+    value = float(n)
+    if abs(value) < 1024:
+        return f"{value:g} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+
+
+def _exact(n) -> str:
+    """``'12,288 B (12.0 KiB)'``; a symbolic size as its formula."""
+    n = sympy.sympify(n)
+    if n.free_symbols:
+        return str(n)
+    return f"{int(n):,} B ({fmt_bytes(n)})" if n.is_integer and n >= 1024 else fmt_bytes(n)
+
+
+def generalize(fqn: str) -> str:
+    """The FQN with every list index as ``*``.
+
+    >>> generalize("layers.11.attention.w1")
+    'layers.*.attention.w1'
+    """
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
+
+
+def _ranks(a, b) -> str:
+    return f"rank {a}" if a == b else f"ranks {a}-{b}"
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+@attrs.frozen
+class Comm:
+    """One collective as one rank issued it.
+
+    ``fqn``: the innermost module running it (None: outside every module); ``phase``:
+    ``"forward"`` or ``"backward"``; ``numel``: elements of the whole tensor it assembles or
+    reduces (an all-gather's output, an all-reduce's or reduce-scatter's input, all ranks'
+    inputs of an all-to-all); ``group_size``: ranks taking part.
+
+    >>> Comm("w1", "backward", "all_gather", numel=1024, group_size=8, itemsize=4).bytes
+    3584
+    """
+
+    fqn: str | None
+    phase: str
+    kind: str
+    numel: int | sympy.Expr
+    group_size: int | sympy.Expr
+    itemsize: int
+
+    @property
+    def bytes(self):
+        """Bytes this rank sends, under the ring model."""
+        return comm_bytes((_STEPS[self.kind],), (self.numel,), (self.group_size,), self.itemsize)
+
+
+@attrs.frozen
+class Param:
+    """A parameter: its placement (None: a plain tensor every rank holds whole), its global
+    shape, and ``local``: ``(shape, first rank, last rank)`` for each run of equal local shapes.
+
+    >>> p = Param("weight", Shard(0), (10, 4), (((3, 4), 0, 2), ((1, 4), 3, 3)), itemsize=4)
+    >>> p.text, p.bytes
+    ('(10, 4) -> (3, 4) on ranks 0-2, (1, 4) on rank 3', 48)
+    """
+
+    name: str
+    placement: Shard | Replicate | None
+    shape: tuple
+    local: tuple
+    itemsize: int
+    tied: str | None = None
+
+    @property
+    def bytes(self):
+        """Bytes of the largest local shard (rank 0's)."""
+        return sympy.Mul(*map(sympy.sympify, self.local[0][0])) * self.itemsize
+
+    @property
+    def text(self) -> str:
+        """Global -> local shapes, and the owner of a tied parameter."""
+        local = _shape(self.local[0][0]) if len(self.local) == 1 else ", ".join(
+            f"{_shape(s)} on {_ranks(a, b)}" for s, a, b in self.local)
+        return f"{_shape(self.shape)} -> {local}" + (f" (tied to {self.tied})" if self.tied else "")
+
+
+@attrs.frozen
+class Transition:
+    """One input or output slot: the layout it arrives in, the one wanted, and the steps between.
+
+    >>> from tpfn.algebra import transition
+    >>> Transition("output 0", Partial(), Replicate(), transition(Partial(), Replicate()))
+    Transition(slot='output 0', given=Partial(), desired=Replicate(), steps=(AllReduce(),))
+    """
+
+    slot: str
+    given: Placement
+    desired: Placement
+    steps: tuple
+
+
+@attrs.frozen
+class Row:
+    """One module: its FQN, type, style (None: not in the plan), own parameters, slots.
+
+    >>> Row("layers.0.norm", "LayerNorm", None)
+    Row(fqn='layers.0.norm', type='LayerNorm', style=None, params=(), transitions=())
+    """
+
+    fqn: str
+    type: str
+    style: Style | None
+    params: tuple = ()
+    transitions: tuple = ()
+
+
+@attrs.frozen
+class Megatron:
+    """Megatron's per-block minimum, ``8(t-1)/t * b*s * h * e`` bytes per rank for one forward
+    and backward, for the repeated ``blocks``: ``tokens`` is b*s, ``hidden`` h, ``itemsize`` e.
+
+    >>> Megatron(("layers.0", "layers.1"), tokens=4096, hidden=8192, itemsize=2).minimum(8)
+    939524096
+    """
+
+    blocks: tuple
+    tokens: int | sympy.Expr
+    hidden: int
+    itemsize: int
+
+    def minimum(self, world_size):
+        """The bytes for all blocks on ``world_size`` ranks."""
+        t = sympy.sympify(world_size)
+        total = len(self.blocks) * 8 * (t - 1) / t * self.tokens * self.hidden * self.itemsize
+        return sympy.factor(total) if total.free_symbols else total
+
+
+@attrs.frozen
+class Report:
+    """What ``tpfn.explain`` found: a row per module, the collectives, and the lints.
+
+    >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
+    ...                       example_inputs=torch.ones(8, 16, requires_grad=True))
+    >>> report.collectives, report.count("backward"), report.bytes, report.moved("2")
+    ({'all_reduce': 2}, {'all_reduce': 1}, 1536, 768)
+    >>> report.traffic()[("0", "backward")], report.moved("0", "forward"), report.param_bytes
+    ({'all_reduce': (1, 768)}, 0, 2176)
+    >>> report.to_dict()["modules"][1]["params"][0]["local"]
+    [{'shape': [16, 16], 'ranks': [0, 3]}]
+    """
+
+    world_size: int | sympy.Symbol
+    inputs: tuple
+    rows: tuple
+    comms: tuple
+    lints: tuple = ()
+    megatron: Megatron | None = None
+
+    @property
+    def collectives(self) -> dict:
+        """Collectives of one forward and backward by kind: ``{"all_reduce": 11, ...}``."""
+        return dict(Counter(c.kind for c in self.comms))
+
+    def count(self, phase: str) -> dict:
+        """Collectives of one phase (``"forward"`` or ``"backward"``) by kind."""
+        return dict(Counter(c.kind for c in self.comms if c.phase == phase))
+
+    @property
+    def bytes(self):
+        """Bytes each rank sends in one forward and backward."""
+        return _total(c.bytes for c in self.comms)
+
+    def phase_bytes(self, phase: str):
+        """Bytes each rank sends in one phase (``"forward"`` or ``"backward"``)."""
+        return _total(c.bytes for c in self.comms if c.phase == phase)
+
+    def moved(self, fqn, phase=None, *, within: bool = False):
+        """Bytes sent by module ``fqn`` (``within``: and its submodules; None: outside every
+        module) in ``phase`` (None: both)."""
+        def mine(c):
+            here = c.fqn == fqn or (within and c.fqn is not None and (
+                fqn == "" or c.fqn.startswith(fqn + ".")))
+            return here and phase in (None, c.phase)
+        return _total(c.bytes for c in self.comms if mine(c))
+
+    @property
+    def param_bytes(self):
+        """Bytes of parameters on each rank (rank 0 holds the largest shards)."""
+        return _total(p.bytes for r in self.rows for p in r.params if p.tied is None)
+
+    @property
+    def blocks_bytes(self):
+        """Bytes the Megatron blocks send (None without blocks)."""
+        if self.megatron is None:
+            return None
+        return _total(self.moved(b, within=True) for b in self.megatron.blocks)
+
+    @property
+    def megatron_bytes(self):
+        """Megatron's minimum for the blocks (None without blocks)."""
+        return None if self.megatron is None else self.megatron.minimum(self.world_size)
+
+    def to_dict(self) -> dict:
+        """The report as JSON-ready data: every module, collective, total and lint."""
+        place = lambda p: None if p is None else repr(p)  # noqa: E731
+        traffic = self.traffic()
+        return {
+            "world_size": _number(self.world_size),
+            "inputs": [{"name": n, "shape": [_number(d) for d in s], "dtype": t}
+                       for n, s, t in self.inputs],
+            "modules": [{
+                "fqn": r.fqn, "type": r.type, "style": None if r.style is None else repr(r.style),
+                "params": [{
+                    "name": p.name, "placement": place(p.placement),
+                    "shape": [_number(d) for d in p.shape],
+                    "local": [{"shape": [_number(d) for d in s], "ranks": [_number(a), _number(b)]}
+                              for s, a, b in p.local],
+                    "bytes_per_rank": _number(p.bytes), "tied_to": p.tied,
+                } for p in r.params],
+                "transitions": [{"slot": t.slot, "given": place(t.given), "desired": place(t.desired),
+                                 "steps": [repr(s) for s in t.steps]} for t in r.transitions],
+                **{phase: {k: {"count": n, "bytes": _number(b)}
+                           for k, (n, b) in traffic.get((r.fqn, phase), {}).items()}
+                   for phase in ("forward", "backward")},
+            } for r in self.rows],
+            "comms": [{"fqn": c.fqn, "phase": c.phase, "kind": c.kind, "numel": _number(c.numel),
+                       "group_size": _number(c.group_size), "itemsize": c.itemsize,
+                       "bytes": _number(c.bytes)} for c in self.comms],
+            "collectives": {"forward": self.count("forward"), "backward": self.count("backward"),
+                            "total": self.collectives},
+            "bytes_per_step": _number(self.bytes),
+            "param_bytes_per_rank": _number(self.param_bytes),
+            "megatron": None if self.megatron is None else {
+                "blocks": len(self.megatron.blocks), "tokens": _number(self.megatron.tokens),
+                "hidden": self.megatron.hidden, "itemsize": self.megatron.itemsize,
+                "formula_bytes": _number(self.megatron_bytes),
+                "measured_bytes": _number(self.blocks_bytes)},
+            "lints": list(self.lints),
+        }
+
+    def to_html(self) -> str:
+        """A self-contained HTML page: the module tree, placements and bytes (``tpfn.picture``)."""
+        from tpfn.picture import html
+
+        return html(self)
+
+    def traffic(self) -> dict:
+        """``{(fqn, phase): {kind: (count, bytes)}}`` over the collectives."""
+        out: dict = {}
+        for c in self.comms:
+            out.setdefault((c.fqn, c.phase), {}).setdefault(c.kind, []).append(c.bytes)
+        return {key: {k: (len(b), _total(b)) for k, b in kinds.items()} for key, kinds in out.items()}
+
+    def title(self) -> str:
+        """What ran: ``'tpfn.explain on 8 ranks: one forward and backward of input 0 (8, 16) int64'``."""
+        inputs = ", ".join(f"{n} {_shape(s)} {t}" for n, s, t in self.inputs)
+        run = f"one forward and backward of {inputs}" if inputs else "no inputs given, nothing ran"
+        return f"tpfn.explain on {self.world_size} ranks: {run}"
+
+    def totals(self) -> list:
+        """``(label, text)`` of every total: collectives, bytes, parameter bytes, Megatron."""
+        counts = lambda c: ", ".join(f"{n} {k}" for k, n in c.items()) or "none"  # noqa: E731
+        out = [
+            ("collectives per step", f"forward {counts(self.count('forward'))}; backward "
+             f"{counts(self.count('backward'))}; total {counts(self.collectives)}"),
+            ("bytes per rank per step", f"forward {_exact(self.phase_bytes('forward'))}; backward "
+             f"{_exact(self.phase_bytes('backward'))}; total {_exact(self.bytes)}"),
+            ("parameter bytes per rank", _exact(self.param_bytes)),
+        ]
+        m = self.megatron
+        if m is not None:
+            formula, measured = self.megatron_bytes, self.blocks_bytes
+            ratio = sympy.simplify(measured / formula)
+            out.append((
+                f"Megatron minimum, {len(m.blocks)} blocks",
+                f"8(t-1)/t*b*s*h*e each with b*s={m.tokens}, h={m.hidden}, e={m.itemsize}: "
+                f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio "
+                f"{str(ratio) if ratio.free_symbols else f'{float(ratio):.2f}'}"))
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(_table(self))
+
+
+def summary(kinds: dict) -> str:
+    """The collectives of one module and phase, ``{kind: (count, bytes)}``, for a person.
+
+    >>> summary({"all_reduce": (1, 28672), "all_gather": (2, 2**20)})
+    '1 all_reduce 28.0 KiB; 2 all_gather 1.0 MiB'
+    """
+    return "; ".join(f"{n} {k} {fmt_bytes(b)}" for k, (n, b) in kinds.items()) or "-"
+
+
+def _module_lines(row: Row, traffic: dict) -> list:
+    lines = [[row.fqn or "<root>", "" if row.style is None else repr(row.style), "",
+              summary(traffic.get((row.fqn, "forward"), {})),
+              summary(traffic.get((row.fqn, "backward"), {}))]]
+    for p in row.params:
+        lines.append([f"  {p.name}", "-" if p.placement is None else repr(p.placement), p.text, "", ""])
+    for t in row.transitions:
+        lines.append([f"  {t.slot}", f"{t.given!r} -> {t.desired!r}",
+                      ", ".join(map(repr, t.steps)) or "-", "", ""])
+    return lines
+
+
+def _table(report: Report) -> list:
+    traffic = report.traffic()
+    groups: dict = {}
+    for row in report.rows:  # modules in the plan or that communicate; repeated blocks once
+        if row.style is None and not {(row.fqn, "forward"), (row.fqn, "backward")} & traffic.keys():
+            continue
+        lines = _module_lines(row, traffic)
+        key = (generalize(row.fqn), row.type, str([line[1:] for line in lines]))
+        groups.setdefault(key, [row, lines, 0])[2] += 1
+    cells = [["module", "style | layout", "global -> local | steps", "forward", "backward"]]
+    for row, lines, n in groups.values():
+        name = generalize(row.fqn) if n > 1 else (row.fqn or "<root>")
+        lines[0][0] = f"{name} ({row.type})" + (f" x{n}" if n > 1 else "")
+        cells.extend(lines)
+    if (None, "forward") in traffic or (None, "backward") in traffic:
+        cells.append(["(outside every module)", "", "", summary(traffic.get((None, "forward"), {})),
+                      summary(traffic.get((None, "backward"), {}))])
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    out = [report.title(), ""]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    out += ["", *(f"{label}: {text}" for label, text in report.totals())]
+    if report.lints:
+        out += ["", "lints:", *(f"  - {lint}" for lint in report.lints)]
+    return out
