@@ -18,6 +18,7 @@ makes a style unusable on a module, for plans to report all at once.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 
 import attrs
@@ -28,7 +29,7 @@ from tpfn.layout import Replicate, Shard
 from tpfn.local import kernel_for, on_shards_kernel
 from tpfn.style import Core, Inputs, OnShards, Outputs, Params, Slot, Style, _fold, _fold_named
 
-__all__ = ["InputSpec", "OutputSpec", "Mount", "bind", "problems", "describe"]
+__all__ = ["InputSpec", "OutputSpec", "Mount", "bind", "fold", "problems", "describe"]
 
 
 @attrs.frozen
@@ -75,6 +76,7 @@ def describe(module: nn.Module, fqn: str) -> str:
 
 
 # What a core does per module kind: parameter placements and the layout input 0 is wanted in.
+@functools.lru_cache(maxsize=None)
 def _kinds(core: Core) -> dict:
     k = core.parts
     return {
@@ -111,12 +113,19 @@ def _core(core: Core, module: nn.Module, where: str):
 def _forward_names(module: nn.Module):
     """``forward``'s positional input names, all its input names (None: it takes ``**kwargs``),
     and whether it takes ``*args``."""
+    if "forward" in vars(module):  # set on the instance: its parameters are all inputs
+        return _signature_names(vars(module)["forward"], 0)
+    return _signature_names(type(module).forward, 1)  # the class's function: skip self
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature_names(forward, skip: int):
     try:
-        sig = inspect.signature(module.forward)
+        sig = inspect.signature(forward)
     except (TypeError, ValueError):
         return (), None, True
     kinds = inspect.Parameter
-    params = list(sig.parameters.values())
+    params = list(sig.parameters.values())[skip:]
     positional = tuple(p.name for p in params
                        if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD))
     named = None if any(p.kind is kinds.VAR_KEYWORD for p in params) else tuple(
@@ -129,8 +138,8 @@ def _near(name: str, options) -> str:
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
-def _fold_style(style: Style, module: nn.Module, fqn: str):
-    """The folded mount, or the list of problems that prevent it."""
+def fold(style: Style, module: nn.Module, fqn: str):
+    """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it."""
     where = describe(module, fqn)
     found: list = []
     placements: dict = {}
@@ -217,13 +226,13 @@ def _fold_style(style: Style, module: nn.Module, fqn: str):
 
 def problems(style: Style, module: nn.Module, fqn: str = "") -> list:
     """Every reason ``style`` cannot apply to ``module`` (empty when it can)."""
-    folded = _fold_style(style, module, fqn)
+    folded = fold(style, module, fqn)
     return folded if isinstance(folded, list) else []
 
 
 def bind(style: Style, module: nn.Module, fqn: str = "") -> Mount:
     """The ``Mount`` of ``style`` on ``module``; a ``PlanError`` lists every problem."""
-    folded = _fold_style(style, module, fqn)
+    folded = fold(style, module, fqn)
     if isinstance(folded, list):
         raise PlanError(folded)
     return folded

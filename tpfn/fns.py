@@ -47,7 +47,7 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
                 )
             out[name] = param
             continue
-        dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=src_rank)
+        dt = distribute_tensor(param, mesh, placements, src_data_rank=src_rank)
         out[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     return out
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn.bind import InputSpec, bind, describe
+from tpfn.bind import InputSpec, describe
 from tpfn.errors import PlanError
 from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import reduce_partial_grads
@@ -23,7 +23,7 @@ from tpfn.layout import Partial, from_torch, normalize, to_torch
 from tpfn.local import (
     cotangent_placement, dropout_slice, local_params, move, placements, vocab_mask,
 )
-from tpfn.plan import resolve
+from tpfn.plan import mounts
 from tpfn.rng import sharded
 from tpfn.shapes import SHAPES, contiguous_strides
 from tpfn.style import Slot
@@ -57,12 +57,12 @@ def _check_mesh(mesh, src_rank) -> None:
                          f"(got {src_rank!r}).")
 
 
-def _placements(module: nn.Module, mounts: list) -> tuple:
+def _placements(modules: dict, mounts: list) -> tuple:
     """``{fqn.name: placement}`` with one entry per parameter object, and the problems found."""
     by_param: dict = {}
     found = []
     for mount in mounts:
-        sub = module.get_submodule(mount.fqn)
+        sub = modules[mount.fqn]
         for name, placement in mount.params:
             param = sub.get_parameter(name)
             full = ".".join(p for p in (mount.fqn, name) if p)
@@ -106,12 +106,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
     if not isinstance(module, nn.Module):
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
     _check_mesh(mesh, src_rank)
-    bindings = resolve(plan, module)
-    mounts = [bind(b.style, module.get_submodule(b.fqn), b.fqn) for b in bindings]
-    found = [f"{describe(module.get_submodule(m.fqn), m.fqn)} is already parallelized "
-             f"({mounted(module.get_submodule(m.fqn)).style!r}); parallelize a fresh module, or "
-             "leave it out of this plan." for m in mounts if mounted(module.get_submodule(m.fqn))]
-    rule, tied = _placements(module, mounts)
+    bound = mounts(plan, module)
+    modules = dict(module.named_modules())
+    found = [f"{describe(modules[m.fqn], m.fqn)} is already parallelized "
+             f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
+             "leave it out of this plan." for m in bound if mounted(modules[m.fqn])]
+    rule, tied = _placements(modules, bound)
     if found + tied:
         raise PlanError(found + tied)
 
@@ -121,8 +121,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
         for name, param in list(sub._parameters.items()):
             if param is not None and id(param) in replacement:
                 sub._parameters[name] = replacement[id(param)]
-    for m in mounts:
-        sub = module.get_submodule(m.fqn)
+    for m in bound:
+        sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 reduce_partial_grads.watch(sub.get_parameter(name))

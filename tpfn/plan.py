@@ -28,11 +28,11 @@ from fnmatch import fnmatchcase
 import attrs
 import torch.nn as nn
 
-from tpfn.bind import describe, problems
+from tpfn.bind import describe, fold
 from tpfn.errors import PlanError
 from tpfn.style import Style
 
-__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve"]
+__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve", "mounts"]
 
 
 def _check_pattern(pattern) -> str:
@@ -137,8 +137,9 @@ def _generalize(fqn: str) -> str:
     return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
 
 
-def resolve(plan_like, module: nn.Module) -> tuple:
-    """The bindings of a plan on ``module`` (pure), or a ``PlanError`` listing every problem."""
+def mounts(plan_like, module: nn.Module) -> tuple:
+    """The ``Mount`` of every binding of a plan on ``module``, in module order (pure), or a
+    ``PlanError`` listing every problem."""
     rules = as_plan(plan_like).rules
     modules = dict(module.named_modules())
     found, bound = [], {}
@@ -154,7 +155,7 @@ def resolve(plan_like, module: nn.Module) -> tuple:
             found.append(f"{pattern!r} -> {style!r} matches no module{hint}")
         for fqn in hits:
             bound.setdefault(fqn, []).append((pattern, style))
-    bindings = []
+    folded = []
     order = {fqn: i for i, fqn in enumerate(modules)}
     for fqn, entries in sorted(bound.items(), key=lambda item: order[item[0]]):
         styles = sorted({s for _, s in entries}, key=repr)
@@ -163,9 +164,16 @@ def resolve(plan_like, module: nn.Module) -> tuple:
             found.append(f"{describe(modules[fqn], fqn)} is bound to {len(styles)} styles ({by}); "
                          "bind it once, e.g. by combining them with >> or narrowing a pattern.")
             continue
-        found.extend(problems(styles[0], modules[fqn], fqn))
-        bindings.append(Binding(fqn, styles[0]))
+        mount = fold(styles[0], modules[fqn], fqn)
+        if isinstance(mount, list):
+            found.extend(mount)
+        else:
+            folded.append(mount)
     if found:
         raise PlanError(found)
-    return tuple(bindings)
+    return tuple(folded)
 
+
+def resolve(plan_like, module: nn.Module) -> tuple:
+    """The bindings of a plan on ``module`` (pure), or a ``PlanError`` listing every problem."""
+    return tuple(Binding(m.fqn, m.style) for m in mounts(plan_like, module))

@@ -1,0 +1,63 @@
+"""``parallelize`` time against model depth: 8 to 128 blocks, meta device, 8 fake ranks.
+
+PyTorch's reference Transformer (dim 256) with sequence parallelism, built on the meta
+device and parallelized over a fake process group of 8 ranks: tpfn's plan vs PyTorch's
+``Transformer.parallelize``. The time per block should stay flat: linear growth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import Table
+
+DEPTHS = (8, 16, 32, 64, 128)
+
+
+def _time(fn, model_fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        model = model_fn()
+        start = time.perf_counter()
+        fn(model)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(quick: bool = False) -> Table:
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    import tpfn
+    from tests.models import transformer_plan
+    from tpfn.dryrun import fake_mesh
+
+    mesh = fake_mesh(8)
+    plan = tpfn.plan(transformer_plan(sp=True))
+    table = Table("parallelize_time", "parallelize time vs depth: reference Transformer, dim 256, "
+                  "sequence parallel, meta, 8 fake ranks",
+                  ["blocks", "native s", "tpfn s", "tpfn / native", "native ms per block",
+                   "tpfn ms per block"])
+    per_block = []
+    for depth in DEPTHS[:3] if quick else DEPTHS:
+        def build():
+            with torch.device("meta"):
+                return Transformer(ModelArgs(dim=256, n_heads=8, n_layers=depth, vocab_size=32000,
+                                             max_seq_len=2048, dropout_p=0.0))
+        repeats = 3 if depth <= 32 else 2
+        native = _time(lambda m: Transformer.parallelize(m, mesh, True), build, repeats)
+        mine = _time(lambda m: tpfn.parallelize(m, mesh, plan), build, repeats)
+        table.add(depth, native, mine, mine / native, native / depth * 1e3, mine / depth * 1e3)
+        per_block.append(mine / depth)
+    table.target("tpfn at most native's time at every depth",
+                 all(row[3] <= 1.0 for row in table.rows))
+    growth = max(per_block) / min(per_block)
+    table.target(f"linear growth: tpfn's time per block varies by at most 1.5x ({growth:.2f}x)",
+                 growth <= 1.5)
+    return table
+
+
+if __name__ == "__main__":
+    print(run().text())
