@@ -7,6 +7,7 @@ device and parallelized over a fake process group of 8 ranks: tpfn's plan vs PyT
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -17,14 +18,17 @@ from benchmarks.common import Table
 DEPTHS = (8, 16, 32, 64, 128)
 
 
-def _time(fn, model_fn, repeats: int) -> float:
-    times = []
+def _times(variants: dict, build, repeats: int) -> dict:
+    """Median seconds of each variant, interleaved, each on a fresh model, after a collection."""
+    times: dict = {name: [] for name in variants}
     for _ in range(repeats):
-        model = model_fn()
-        start = time.perf_counter()
-        fn(model)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in variants.items():
+            model = build()
+            gc.collect()
+            start = time.perf_counter()
+            fn(model)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(quick: bool = False) -> Table:
@@ -46,9 +50,10 @@ def run(quick: bool = False) -> Table:
             with torch.device("meta"):
                 return Transformer(ModelArgs(dim=256, n_heads=8, n_layers=depth, vocab_size=32000,
                                              max_seq_len=2048, dropout_p=0.0))
-        repeats = 3 if depth <= 32 else 2
-        native = _time(lambda m: Transformer.parallelize(m, mesh, True), build, repeats)
-        mine = _time(lambda m: tpfn.parallelize(m, mesh, plan), build, repeats)
+        times = _times({"native": lambda m: Transformer.parallelize(m, mesh, True),
+                        "tpfn": lambda m: tpfn.parallelize(m, mesh, plan)},
+                       build, 3 if quick else 5)
+        native, mine = times["native"], times["tpfn"]
         table.add(depth, native, mine, mine / native, native / depth * 1e3, mine / depth * 1e3)
         per_block.append(mine / depth)
     table.target("tpfn at most native's time at every depth",
