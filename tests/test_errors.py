@@ -16,6 +16,7 @@ from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor import Partial as TPartial
 from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 import tpfn
 from tests.models import transformer
@@ -164,7 +165,35 @@ PURE = [
      FileNotFoundError, r"no checkpoint at '/nonexistent/ckpt' \(nor a previous one beside it\)\."),
     ("clip a non-finite norm", lambda: _nonfinite_clip(), RuntimeError,
      r"the total norm of order 2\.0 of the gradients is inf; pass error_if_nonfinite=False"),
+    ("explain on no ranks", lambda: tpfn.explain(nn.Linear(2, 2), colwise(), world_size=0),
+     TypeError, exact("'world_size' must be a positive int or a sympy Symbol (got 0 that is a "
+                      "<class 'int'>).")),
+    ("explain example inputs", lambda: tpfn.explain(nn.Linear(2, 2), colwise(), world_size=2,
+                                                    example_inputs="x"),
+     TypeError, r"^'example_inputs' must be a tensor, a shape, a tuple of them \(positional "
+     r"inputs\) or a dict \(keyword inputs\) \(got 'x'"),
+    ("transformers style unknown", lambda: tpfn.from_hf({"0": "fused"}, nn.Sequential(nn.Linear(2, 2))),
+     PlanError, r"'0': unknown transformers style 'fused'; known: all_reduce, colwise, "),
+    ("transformers style tpfn cannot express", lambda: tpfn.from_hf(
+        {"0": "mla_kv_a_proj"}, nn.Sequential(nn.Linear(2, 2))),
+     PlanError, r"a tpfn slot gives a whole tensor one layout, so leave this attention's "
+     r"projections out of the plan or write its plan by hand"),
+    ("transformers plan not a dict", lambda: tpfn.from_hf(["0"], nn.Sequential(nn.Linear(2, 2))),
+     TypeError, exact("'tp_plan' must be a dict of name -> style string, as model.tp_plan "
+                      "(got ['0'] that is a <class 'list'>).")),
+    ("pytorch style unknown", lambda: tpfn.from_torch({"0": _ForExperts()}), PlanError,
+     r"plan\['0'\] is a .*_ForExperts, which tpfn cannot convert; it converts ColwiseParallel, "
+     r"RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput, "
+     r"PrepareModuleInputOutput\. Write its tpfn style instead \(docs/migration\.md\)\.$"),
+    ("from_torch of something else", lambda: tpfn.from_torch(3), TypeError,
+     exact("from_torch takes a PyTorch ParallelStyle, a parallelize_module plan (dict) or DTensor "
+           "placements (got 3 that is a <class 'int'>).")),
 ]
+
+
+class _ForExperts(ParallelStyle):
+    def _apply(self, module, device_mesh):
+        return module
 
 
 def _nonfinite_clip():
