@@ -17,7 +17,7 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
 )
 
 import tpfn
-from tests.models import clone, counts, full, transformer
+from tests.models import clone, counts, full, native_transformer_plan, transformer
 from tests.ranks import mesh
 from tpfn import (
     Partial, PlanError, Replicate, Shard, colwise, from_torch, prepare_in, prepare_out, rowwise,
@@ -131,34 +131,6 @@ def _shard(t, dim=0):
     return t.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()].contiguous()
 
 
-def _transformer_plan(sp: bool) -> dict:
-    """``Transformer.parallelize``'s plan (``local_output_for_attn=True``) as one FQN dict."""
-    attn = {f"layers.*.attention.w{n}": ColwiseParallel() for n in "qkv"}
-    if not sp:
-        return {
-            "tok_embeddings": RowwiseParallel(input_layouts=R(), output_layouts=R()),
-            "pos_embeddings": RowwiseParallel(input_layouts=R(), output_layouts=R()),
-            **attn,
-            "layers.*.attention.wo": RowwiseParallel(),
-            "layers.*.feed_forward.w1": ColwiseParallel(),
-            "layers.*.feed_forward.w2": RowwiseParallel(),
-            "output": ColwiseParallel(output_layouts=R()),
-        }
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=R(), output_layouts=S(1)),
-        "pos_embeddings": RowwiseParallel(input_layouts=R(), output_layouts=S(0)),
-        "norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(input_layouts=S(1), desired_input_layouts=R()),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.ffn_norm": SequenceParallel(),
-        **attn,
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=S(1)),
-        "layers.*.feed_forward.w1": ColwiseParallel(input_layouts=S(1)),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=S(1)),
-        "output": ColwiseParallel(input_layouts=S(1), output_layouts=R()),
-    }
-
-
 def _tokens():
     return (torch.randint(0, 16, (4, 8)),), {}
 
@@ -216,9 +188,9 @@ CASES = {
         RMSNormPython(12), SequenceParallel(sequence_dim=0, use_local_output=True),
         lambda: ((_shard(torch.randn(8, 4, 12), 0).requires_grad_(),), {})),
     "transformer": lambda: (
-        transformer(weight_tying=False, vocab_size=16), _transformer_plan(sp=False), _tokens),
+        transformer(weight_tying=False, vocab_size=16), native_transformer_plan(sp=False), _tokens),
     "transformer_sp": lambda: (
-        transformer(weight_tying=False, vocab_size=16), _transformer_plan(sp=True), _tokens),
+        transformer(weight_tying=False, vocab_size=16), native_transformer_plan(sp=True), _tokens),
 }
 
 
