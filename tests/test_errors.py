@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import tpfn
-from tests.models import transformer
+from tests.models import transformer, transformer_plan
 from tests.ranks import mesh
 from tpfn import (
     Partial, PlanError, Replicate, Shard, StyleError, colwise, on_shards, params,
@@ -172,6 +172,12 @@ PURE = [
                                                     example_inputs="x"),
      TypeError, r"^'example_inputs' must be a tensor, a shape, a tuple of them \(positional "
      r"inputs\) or a dict \(keyword inputs\) \(got 'x'"),
+    ("a mesh that does not divide the heads", lambda: tpfn.explain(
+        transformer(vocab_size=16, n_heads=3, dim=12), transformer_plan(False), world_size=2,
+        example_inputs=(2, 8)),
+     PlanError, r"'wq', 'wk', 'wv' of 'layers\.0\.attention' \(Attention\) project 3 heads of 4 "
+     r"features: the 2 ranks do not divide them, so ranks would hold parts of heads; choose a "
+     r"mesh size that divides 3"),
     ("transformers style unknown", lambda: tpfn.from_hf({"0": "fused"}, nn.Sequential(nn.Linear(2, 2))),
      PlanError, r"'0': unknown transformers style 'fused'; known: all_reduce, colwise, "),
     ("transformers style tpfn cannot express", lambda: tpfn.from_hf(
