@@ -55,7 +55,11 @@ def _check_pairs(mesh_shape, layouts, shapes, with_backward):
             try:
                 DTensor.from_local(torch.zeros(shape), device_mesh, to_torch(src)).redistribute(
                     device_mesh, to_torch(dst))
-                problems.append(f"DTensor accepted {src} -> {dst}, which the algebra rejects")
+                # torch >= 2.14 lets Shard -> Partial through (zeros where a rank holds
+                # nothing); tpfn keeps the rule that redistribution never makes partial sums.
+                newer = any(isinstance(s, Shard) and isinstance(d, Partial) for s, d in zip(src, dst))
+                if not newer:
+                    problems.append(f"DTensor accepted {src} -> {dst}, which the algebra rejects")
             except (RuntimeError, AssertionError, ValueError):
                 pass
             continue
