@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn.errors import LayoutError
-from tpfn.layout import from_torch, normalize, to_torch
-from tpfn.local import failed
+from tpfn.layout import from_torch, to_torch
+from tpfn.local import failed, placements
 from tpfn.shapes import SHAPES, contiguous_strides
 
 __all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
@@ -54,14 +54,14 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
 
 def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
     """``x``, after checking it lives on ``mesh`` in the layout ``slot`` declares."""
-    current = normalize(from_torch(x.placements), x.ndim)
     if x.device_mesh != mesh:
         raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}; "
                           "parallelize the producing and the consuming module over one mesh.")
-    if slot.given is not None and current != normalize(slot.given, x.ndim):
+    if slot.given is not None and x.placements != placements(slot.given, x.ndim):
+        current = from_torch(x.placements)[0]
         raise LayoutError(
-            f"{what} arrives laid out {current[0]!r} but the plan declares {slot.given!r}; "
-            f"declare {current[0]!r} there, or redistribute it before the call."
+            f"{what} arrives laid out {current!r} but the plan declares {slot.given!r}; "
+            f"declare {current!r} there, or redistribute it before the call."
         )
     return x
 
@@ -76,25 +76,22 @@ def _convert(x, slot, mesh, local: bool, what: str):
     if x is None or slot.untouched:
         return x
     if isinstance(x, DTensor):
-        ndim = x.ndim
-        current = normalize(from_torch(x.placements), ndim)
         dt = checked(x, slot, mesh, what)
+        current = dt.placements
     elif isinstance(x, torch.Tensor):
-        ndim = x.ndim
-        current = normalize(slot.given if slot.given is not None else slot.desired, ndim)
-        placements = to_torch(current)
-        shape = SHAPES.recall(x.shape, placements, mesh)
-        dt = DTensor.from_local(x, mesh, placements, run_check=False,
+        current = placements(slot.given if slot.given is not None else slot.desired, x.ndim)
+        shape = SHAPES.recall(x.shape, current, mesh)
+        dt = DTensor.from_local(x, mesh, current, run_check=False,
                                 shape=shape, stride=contiguous_strides(shape))
     else:
         raise not_a_tensor(x, slot, what)
     if slot.desired is not None:
-        wanted = normalize(slot.desired, ndim)
+        wanted = placements(slot.desired, x.ndim)
         if wanted != current:
             try:
-                dt = dt.redistribute(mesh, to_torch(wanted))
+                dt = dt.redistribute(mesh, wanted)
             except RuntimeError as error:
-                raise failed(what, current, wanted, error) from error
+                raise failed(what, from_torch(current), from_torch(wanted), error) from error
     if not local:
         return dt
     out = dt.to_local()

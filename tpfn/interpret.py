@@ -19,7 +19,7 @@ from tpfn.bind import InputSpec, describe
 from tpfn.errors import PlanError
 from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
 from tpfn.grads import reduce_partial_grads
-from tpfn.layout import Partial, from_torch, normalize, to_torch
+from tpfn.layout import Partial, from_torch
 from tpfn.local import (
     cotangent_placement, dropout_slice, local_params, move, placements, vocab_mask,
 )
@@ -167,6 +167,10 @@ class _LocalHooks:
         self.others = InputSpec(rest, spec.kwargs, spec.names, True, spec.where)
         self.prepare_others = any(not s.untouched for s in rest) or bool(spec.kwargs)
         self.whats = [f"input {i} of {spec.where}" for i in range(len(self.kernel.inputs))]
+        out = mount.outputs.slots[0] if mount.outputs.slots else None
+        self.made = None if out is None else out.given  # the kernel's output layout
+        self.wanted = None if out is None else out.out
+        self.back = None if out is None else cotangent_placement(self.wanted)
         self.calls: list = []
 
     def enter(self, module, args, kwargs):
@@ -192,7 +196,7 @@ class _LocalHooks:
         views = local_params(module, kernel, self.mesh)
         random = contextlib.ExitStack()
         if kernel.random == "slice" and module.training and module.p > 0:
-            dim = normalize(kernel.output, first.ndim)[0].dim
+            dim = placements(kernel.output, first.ndim)[0].dim
             noise = dropout_slice(module, first, first_shape, dim, self.mesh)
             random.callback(setattr, module, "training", True)
             module.training = False  # the noise is drawn here; the module passes x through
@@ -233,12 +237,10 @@ class _LocalHooks:
             output = output.masked_fill(mask.unsqueeze(-1), 0)
         if noise is not None:
             output = output * noise
-        slot = spec.slots[0]
-        made = slot.given  # the kernel's output layout
-        wanted = slot.desired if slot.desired is not None else made
+        made, wanted = self.made, self.wanted
         out_shape = self.kernel.out_shape(module, shape) or SHAPES.recall(
             output.shape, placements(made, output.ndim), self.mesh)
-        out = move(output, made, wanted, cotangent_placement(wanted), self.mesh, out_shape,
+        out = move(output, made, wanted, self.back, self.mesh, out_shape,
                    f"the output of {spec.where}")
         handed = placements(wanted, out.ndim)
         if spec.local:

@@ -166,27 +166,32 @@ def normalize(layout, ndim: int) -> tuple:
     return tuple(out)
 
 
-def _placement_to_torch(p):
-    if isinstance(p, Shard) and p.parts > 1:
-        return _StridedShard(p.dim, split_factor=p.parts)
+def _placement_to_torch(p, ndim):
     if isinstance(p, Shard):
-        return _dt.Shard(p.dim)
+        if ndim is not None and not -ndim <= p.dim < ndim:
+            raise ValueError(f"{p!r} does not fit a tensor of {ndim} dims: a shard dim must lie in "
+                             f"[{-ndim}, {ndim - 1}].")
+        dim = p.dim if ndim is None else p.dim % ndim
+        return _StridedShard(dim, split_factor=p.parts) if p.parts > 1 else _dt.Shard(dim)
     if isinstance(p, Replicate):
         return _dt.Replicate()
     return _dt.Partial(p.op)
 
 
-def to_torch(layout) -> tuple:
-    """The ``torch.distributed.tensor`` placements of a layout (always a tuple).
+def to_torch(layout, ndim: int | None = None) -> tuple:
+    """The ``torch.distributed.tensor`` placements of a layout (always a tuple); with ``ndim``,
+    shard dims normalized for a tensor of that many dims.
 
     >>> to_torch(Shard(1))
     (Shard(dim=1),)
+    >>> to_torch(Shard(-1), ndim=3)
+    (Shard(dim=2),)
     >>> to_torch(Shard(0, parts=2))
     (_StridedShard(dim=0, sf=2),)
     >>> type(to_torch(Replicate())[0]).__module__
     'torch.distributed.tensor.placement_types'
     """
-    return tuple(_placement_to_torch(p) for p in as_layout(layout))
+    return tuple(_placement_to_torch(p, ndim) for p in as_layout(layout))
 
 
 def _placement_from_torch(p):

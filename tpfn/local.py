@@ -25,6 +25,7 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
@@ -32,7 +33,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from tpfn.shapes import contiguous_strides
 from tpfn.algebra import transition
 from tpfn.errors import CollectiveError
-from tpfn.layout import Partial, Replicate, Shard, from_torch, normalize, to_torch
+from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 
 __all__ = [
     "Kernel", "kernel_for", "on_shards_kernel", "move", "placements", "failed", "local_params",
@@ -110,8 +111,9 @@ def cotangent_placement(p):
 
 @functools.lru_cache(maxsize=4096)
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
+    """The spec of a tensor of global ``shape`` laid out by a torch ``placement``."""
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
-    return DTensorSpec(mesh, to_torch(placement), tensor_meta=meta)
+    return DTensorSpec(mesh, (placement,), tensor_meta=meta)
 
 
 def failed(what: str, src, dst, error: Exception) -> CollectiveError:
@@ -154,13 +156,17 @@ class _Move(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=4096)
 def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
-    """(forward specs, backward specs) of a move, each None where nothing moves."""
+    """(forward specs, backward specs) of a move, each None where nothing moves.
+
+    Everything here is torch placements: tpfn's layout values are only read, never made,
+    on the way of a forward (torch.compile traces it).
+    """
     if mesh.size() == 1:  # one rank: every layout is the whole tensor
         return None, None
     ndim = len(global_shape)
-    src, dst = normalize(src, ndim)[0], normalize(dst, ndim)[0]
-    back = None if grad is None else normalize(grad, ndim)[0]
-    target = cotangent_placement(src)
+    src, dst = placements(src, ndim)[0], placements(dst, ndim)[0]
+    back = None if grad is None else placements(grad, ndim)[0]
+    target = _dt.Replicate() if src.is_partial() else src
     forward = None if src == dst else (
         _spec(mesh, src, global_shape, dtype), _spec(mesh, dst, global_shape, dtype))
     backward = None if back is None or back == target else (
@@ -172,7 +178,7 @@ def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
 def placements(layout, ndim: int) -> tuple:
     """The torch placements of a 1-D layout for a tensor of ``ndim`` dims (shard dims
     normalized)."""
-    return to_torch(normalize(layout, ndim))
+    return to_torch(layout, ndim)
 
 
 def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str = "a tensor"):
