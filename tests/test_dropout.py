@@ -56,22 +56,41 @@ def _sharded_masks():
     m = mesh(2)
     noisy = tpfn.parallelize(Noisy(), m, on_shards(Shard(1), output=Shard(1)))
     local = torch.ones(2, 8)
-    tpfn.rng.manual_seed(0)
+    torch.manual_seed(0)
     first = noisy(local)
     after = torch.rand(4)
-    tpfn.rng.manual_seed(0)  # restarts the sharded streams too
+    torch.manual_seed(0)
     again = noisy(local)
     replicated = F.dropout(torch.ones(16), 0.5)  # on every rank: a replicated activation
-    torch.manual_seed(0)
-    untouched = torch.rand(4)
     return (not torch.equal(*_gathered(first)),        # distinct per shard
             torch.equal(first, again),                  # reproducible from the seed
-            torch.equal(after, untouched),              # the default stream did not move
+            torch.equal(*_gathered(after)),             # the default stream moved alike everywhere
             torch.equal(*_gathered(replicated)))        # replicated: the same everywhere
 
 
 def test_sharded_masks_differ_and_replicated_masks_agree(ranks2):
     assert ranks2.run(_sharded_masks) == [(True,) * 4] * 2
+
+
+def _checkpointed_masks():
+    """Activation checkpointing recomputes the forward: the shards must draw the same masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = mesh(2)
+    noisy = tpfn.parallelize(Noisy(), m, on_shards(Shard(1), output=Shard(1)))
+    grads = []
+    for ckpt in (False, True):
+        x = torch.ones(2, 8, requires_grad=True)
+        torch.manual_seed(0)
+        y = checkpoint(noisy, x, use_reentrant=False) if ckpt else noisy(x)
+        y.sum().backward()
+        grads.append((y.detach(), x.grad))
+    (y0, g0), (y1, g1) = grads
+    return torch.equal(y0, y1), torch.equal(g0, g1), torch.equal(g0, (y0 != 0).float() * 2)
+
+
+def test_activation_checkpointing_recomputes_the_same_sharded_masks(ranks2):
+    assert ranks2.run(_checkpointed_masks) == [(True,) * 3] * 2
 
 
 def _loss_curve(sp):

@@ -83,7 +83,8 @@ def kernel_for(core, module: nn.Module):
     if core.kind == "sequence_parallel":
         replicated = tuple((n, Partial()) for n, _ in module.named_parameters())
         seq = Shard(core.dim)
-        random = "slice" if kind.forward is nn.Dropout.forward else "fork"
+        random = ("slice" if kind.forward is nn.Dropout.forward
+                  else "fork" if isinstance(module, nn.modules.dropout._DropoutNd) else None)
         return Kernel(seq, ((seq, seq),), grads=replicated, random=random)
     if kind.forward is nn.Linear.forward:
         if core.kind == "colwise":
