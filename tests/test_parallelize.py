@@ -310,6 +310,25 @@ def test_uneven_sequence_keeps_its_length_through_local_outputs(ranks2):
     assert all(ranks2.run(_uneven_sequence_keeps_its_length))
 
 
+def _two_sequences_with_one_local_length():
+    """Rank 0 holds 4 positions of a sequence of 7 and of one of 8: each keeps its own length."""
+    m = mesh(2)
+    norm = tpfn.parallelize(nn.LayerNorm(4), m, sequence_parallel(local=True))
+    gather = tpfn.parallelize(nn.Identity(), m, tpfn.prepare_in(Shard(1), desired=Replicate()))
+    rank = dist.get_rank()
+    def shard(full):  # a DTensor tells its global length
+        return DTensor.from_local(full.chunk(2, dim=1)[rank], m, [TShard(1)],
+                                  shape=full.shape, stride=full.stride())
+
+    a = norm(shard(torch.randn(2, 7, 4)))
+    b = norm(shard(torch.randn(2, 8, 4)))  # on rank 0, the same local shape as a, seen last
+    return tuple(gather(t).shape for t in (a, b))
+
+
+def test_each_local_tensor_keeps_its_own_global_shape(ranks2):
+    assert ranks2.run(_two_sequences_with_one_local_length) == [((2, 7, 4), (2, 8, 4))] * 2
+
+
 def _src_rank():
     m = mesh(2)
     rank = dist.get_rank()

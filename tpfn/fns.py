@@ -80,7 +80,7 @@ def _convert(x, slot, mesh, local: bool, what: str):
         current = dt.placements
     elif isinstance(x, torch.Tensor):
         current = placements(slot.given if slot.given is not None else slot.desired, x.ndim)
-        shape = SHAPES.recall(x.shape, current, mesh)
+        shape = SHAPES.recall(x, current, mesh)
         dt = DTensor.from_local(x, mesh, current, run_check=False,
                                 shape=shape, stride=contiguous_strides(shape))
     else:
@@ -95,7 +95,7 @@ def _convert(x, slot, mesh, local: bool, what: str):
     if not local:
         return dt
     out = dt.to_local()
-    SHAPES.remember(out.shape, dt.placements, dt.shape, dt.device_mesh)
+    SHAPES.remember(out, dt.placements, dt.shape, dt.device_mesh)
     return out
 
 

@@ -220,7 +220,7 @@ class _LocalHooks:
         if not isinstance(x, torch.Tensor):
             raise not_a_tensor(x, slot, what)
         given = slot.given if slot.given is not None else slot.desired
-        shape = SHAPES.recall(x.shape, placements(given, x.ndim), self.mesh)
+        shape = SHAPES.recall(x, placements(given, x.ndim), self.mesh)
         wanted = slot.desired if slot.desired is not None else given
         return move(x, given, wanted, grad, self.mesh, shape, what), shape
 
@@ -239,12 +239,12 @@ class _LocalHooks:
             output = output * noise
         made, wanted = self.made, self.wanted
         out_shape = self.kernel.out_shape(module, shape) or SHAPES.recall(
-            output.shape, placements(made, output.ndim), self.mesh)
+            output, placements(made, output.ndim), self.mesh)
         out = move(output, made, wanted, self.back, self.mesh, out_shape,
                    f"the output of {spec.where}")
         handed = placements(wanted, out.ndim)
         if spec.local:
-            SHAPES.remember(out.shape, handed, out_shape, self.mesh)
+            SHAPES.remember(out, handed, out_shape, self.mesh)
             return out
         return DTensor.from_local(out, self.mesh, handed, run_check=False,
                                   shape=out_shape, stride=contiguous_strides(out_shape))

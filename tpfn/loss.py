@@ -120,7 +120,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         raise TypeError("cross_entropy: give the sharded logits as a DTensor, or a local tensor with mesh=.")
     else:
         x = input
-        n_classes = SHAPES.recall(x.shape, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
+        n_classes = SHAPES.recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
     x = x.movedim(class_dim, -1)
     shape = x.shape[:-1]
     chunk = -(-n_classes // mesh.size())
