@@ -164,3 +164,36 @@ def test_a_replicated_norm_on_local_heads_sums_its_partial_gradients(ranks2):
 def test_prepare_in_before_on_shards_folds_into_its_slot():
     m = bind(prepare_in(Shard(0)) >> on_shards(Replicate(), grads=Partial()), nn.Identity())
     assert m.inputs.slots[0].given == Shard(0) and m.inputs.slots[0].desired == Replicate()
+
+
+class Gate(nn.Module):
+    """Parameters in submodules, one of them tied: ``silu(proj(x)) * again(x)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.again = nn.Linear(8, 12), nn.Linear(8, 12)
+        self.again.weight = self.proj.weight
+
+    def forward(self, x):
+        return F.silu(self.proj(x)) * self.again(x)
+
+
+def _submodule_params():
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = Gate()
+    style = (params(**{"proj.weight": Shard(0), "proj.bias": Shard(0), "again.bias": Shard(0)})
+             >> on_shards(Replicate(), grads=Partial(), output=Shard(-1))
+             >> prepare_out(Replicate()))
+    tp = tpfn.parallelize(clone(ref), m, style)
+    x = torch.randn(3, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, expected = tp(x2), ref(x)
+    out.pow(2).sum().backward(), expected.pow(2).sum().backward()
+    return (rel_err(out, expected) <= TOL, rel_err(x2.grad, x.grad) <= TOL,
+            tp.again.weight is tp.proj.weight, isinstance(tp.proj.weight, DTensor),
+            max(max_rel_err(tp, ref, grads=True).values()) <= TOL)
+
+
+def test_on_shards_hands_submodules_their_shards_too(ranks2):
+    assert ranks2.run(_submodule_params) == [(True,) * 5] * 2

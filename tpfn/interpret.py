@@ -202,9 +202,10 @@ class _LocalHooks:
             module.training = False  # the noise is drawn here; the module passes x through
         elif kernel.random == "fork":
             random.enter_context(sharded(self.mesh))
-        self.calls.append(({n: module._parameters[n] for n in views}, first_shape, mask, noise,
-                           random))
-        module._parameters.update(views)
+        self.calls.append(([(o, n, o._parameters[n]) for o, n, _ in views], first_shape, mask,
+                           noise, random))
+        for owner, name, view in views:
+            owner._parameters[name] = view
         return tuple(args), kwargs
 
     def _input(self, x, slot, grad, i):
@@ -226,7 +227,8 @@ class _LocalHooks:
 
     def leave(self, module, args, output):
         saved, shape, mask, noise, random = self.calls.pop()
-        module._parameters.update(saved)
+        for owner, name, param in saved:
+            owner._parameters[name] = param
         random.close()
         if output is None:  # the forward raised; its error propagates
             return None

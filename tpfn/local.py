@@ -230,23 +230,29 @@ class _View(torch.autograd.Function):
         return DTensor(grad.contiguous(), ctx.spec, requires_grad=False), None
 
 
-def local_params(module: nn.Module, kernel: Kernel, mesh) -> dict:
-    """The local views the module computes with, by parameter name."""
+def local_params(module: nn.Module, kernel: Kernel, mesh) -> list:
+    """The local views the module computes with: ``(owner, name, view)`` for every DTensor
+    parameter of the module and its submodules (a tied parameter gets one view)."""
     grads = dict(kernel.grads)
-    views = {}
-    for name, param in module._parameters.items():
-        if not isinstance(param, DTensor):
-            continue
-        grad = grads.get(name)
-        if param.requires_grad and torch.is_grad_enabled():
-            spec = _grad_spec(param._spec, None if grad is None else to_torch(grad))
-            view = _View.apply(param, spec)
-        else:
-            view = param._local_tensor
-        if kernel.partial_bias and name == "bias" and mesh.size() > 1:
-            view = _PartialBias.apply(view, mesh.size())
-        views[name] = view
+    names = {id(p): n for n, p in module.named_parameters()}
+    made, views = {}, []
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for name, param in owner._parameters.items():
+            if not isinstance(param, DTensor):
+                continue
+            view = made.get(id(param))
+            if view is None:
+                view = made[id(param)] = _view(param, grads.get(names[id(param)]))
+                if kernel.partial_bias and not prefix and name == "bias" and mesh.size() > 1:
+                    view = made[id(param)] = _PartialBias.apply(view, mesh.size())
+            views.append((owner, name, view))
     return views
+
+
+def _view(param: DTensor, grad):
+    if param.requires_grad and torch.is_grad_enabled():
+        return _View.apply(param, _grad_spec(param._spec, None if grad is None else to_torch(grad)))
+    return param._local_tensor
 
 
 def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh):

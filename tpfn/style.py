@@ -452,7 +452,10 @@ def on_shards(*wants, grads=None, output=None, param_grads=None, local: bool | N
 
 
 def replicate() -> Style:
-    """Make every parameter of the module a ``Replicate()`` DTensor; inputs and outputs untouched.
+    """Make the module's own parameters ``Replicate()`` DTensors; inputs and outputs untouched.
+
+    Submodules keep theirs: give them a rule of their own (``"block.*": replicate()``) or
+    name their parameters with ``params(**{"sub.weight": Replicate()})``.
 
     >>> replicate()
     replicate()
