@@ -136,6 +136,14 @@ PURE = [
      r"'a' \(Linear\) is bound to 2 styles \('\*' -> rowwise\(\); 'a' -> colwise\(\)\); bind it once"),
     ("colwise on a norm", lambda: resolve({"norm": colwise()}, transformer()), PlanError,
      r"colwise\(\) at 'norm' \(LayerNorm\): it shards nn\.Linear and nn\.Embedding, not LayerNorm\."),
+    ("embedding with max_norm", lambda: resolve(
+        {"tok": rowwise()}, nn.ModuleDict({"tok": nn.Embedding(4, 2, max_norm=1.0)})),
+     PlanError, re.escape("rowwise() at 'tok' (Embedding): nn.Embedding(max_norm=...) renormalizes "
+                          "whole rows in place, so it cannot be sharded; leave it out of the plan "
+                          "(replicated) or build it without max_norm.") + "$"),
+    ("sparse embedding", lambda: resolve(
+        {"tok": colwise()}, nn.ModuleDict({"tok": nn.Embedding(4, 2, sparse=True)})),
+     PlanError, r"nn\.Embedding\(sparse=\.\.\.\) makes sparse gradients, which DTensor cannot hold"),
     ("sequence parallel on a linear", lambda: resolve({"output": sequence_parallel()}, transformer()),
      PlanError, r"parameters must be 1-D \(norms, dropout\), but weight is not; shard it with "
      r"colwise\(\) or rowwise\(\)\."),

@@ -220,6 +220,27 @@ def test_rowwise_embedding_takes_replicated_ids(ranks2):
     assert ranks2.run(_rowwise_embedding_takes_replicated_ids)[0] == (2, 8, 6)
 
 
+def _embedding_options(style, **options):
+    """Embedding options the local kernel cannot honour leave the module to DTensor."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = nn.Embedding(10, 6, **options)
+    tp = tpfn.parallelize(clone(ref), m, style >> prepare_out(Replicate()))
+    ids = torch.tensor([[0, 2, 2, 7], [9, 5, 5, 7]])  # 0 and 5 start the two vocabulary shards
+    out, expected = tp(ids), ref(ids)
+    (out * torch.arange(6.0)).sum().backward()
+    (expected * torch.arange(6.0)).sum().backward()
+    grad = tp.weight.grad.full_tensor()
+    return (rel_err(out, expected) <= TOL,
+            rel_err(grad.to_dense() if grad.is_sparse else grad, ref.weight.grad.to_dense()) <= TOL)
+
+
+def test_embeddings_with_options_match_one_device(ranks2):
+    for options in ({"scale_grad_by_freq": True}, {"padding_idx": 5}):
+        for style in (rowwise(), colwise()):
+            assert ranks2.run(_embedding_options, style, **options) == [(True, True)] * 2, options
+
+
 def _every_positional_input_reaches_the_module():
     m = mesh(2)
 

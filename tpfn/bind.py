@@ -103,6 +103,12 @@ def _core(core: Core, module: nn.Module, where: str):
             )
         placements = {n: Replicate() for n, _ in module.named_parameters()}
         return placements, (Slot(None, Shard(core.dim)),)
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse):
+        option = "max_norm" if module.max_norm is not None else "sparse"
+        why = ("renormalizes whole rows in place" if option == "max_norm"
+               else "makes sparse gradients, which DTensor cannot hold")
+        return (f"{core!r} at {where}: nn.Embedding({option}=...) {why}, so it cannot be "
+                f"sharded; leave it out of the plan (replicated) or build it without {option}.")
     for kind, (placements, wanted) in _kinds(core).items():
         if isinstance(module, kind):
             own = {n: p for n, p in placements.items() if getattr(module, n, None) is not None}

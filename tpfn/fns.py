@@ -57,13 +57,21 @@ def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
     if x.device_mesh != mesh:
         raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}; "
                           "parallelize the producing and the consuming module over one mesh.")
-    if slot.given is not None and x.placements != placements(slot.given, x.ndim):
+    if slot.given is not None and not _agree(x.placements, placements(slot.given, x.ndim)):
         current = from_torch(x.placements)[0]
         raise LayoutError(
             f"{what} arrives laid out {current!r} but the plan declares {slot.given!r}; "
             f"declare {current!r} there, or redistribute it before the call."
         )
     return x
+
+
+def _agree(have: tuple, want: tuple) -> bool:
+    """Equal placements; DTensor's partial kinds (an embedding's masked partial) count as
+    the partial sum they are."""
+    return have == want or all(
+        h == w or (h.is_partial() and w.is_partial() and h.reduce_op == w.reduce_op)
+        for h, w in zip(have, want))
 
 
 def not_a_tensor(x, slot, what: str) -> TypeError:

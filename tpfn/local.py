@@ -91,10 +91,10 @@ def kernel_for(core, module: nn.Module):
             return Kernel(Shard(-1, core.parts), ((Replicate(), Partial()),))
         features = Shard(-1, core.parts)
         return Kernel(Partial(), ((features, features),), partial_bias=module.bias is not None)
-    if kind.forward is nn.Embedding.forward and module.max_norm is None:
+    if kind.forward is nn.Embedding.forward:
         if core.kind == "colwise":
             return Kernel(Shard(-1, core.parts), ((Replicate(), None),))
-        if module.padding_idx is None:
+        if module.padding_idx is None and not module.scale_grad_by_freq:  # masked ids count
             return Kernel(Partial(), ((Replicate(), None),), vocab=True)
     return None
 
