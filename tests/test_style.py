@@ -176,6 +176,13 @@ def test_local_is_the_rightmost_choice():
     assert bind(prepare_in(Shard(0), local=True), nn.Identity()).inputs.local is True
 
 
+def test_a_lone_named_layout_means_what_a_positional_one_does():
+    # An input's lone layout is the one it arrives in; an output's, the one it leaves in.
+    assert prepare_in(kwargs={"mask": Shard(0)}) == prepare_in(kwargs={"mask": (Shard(0), None)})
+    assert prepare_out(keys={"logits": Replicate()}) == prepare_out(keys={"logits": (None, Replicate())})
+    assert prepare_out(Replicate()).stages[0].slots[0] == Slot(None, Replicate())
+
+
 def test_params_and_replicate_place_parameters():
     class Experts(nn.Module):
         def __init__(self):

@@ -499,7 +499,9 @@ def _per_slot(what: str, value, n: int) -> tuple:
     )
 
 
-def _named_slots(what: str, mapping) -> tuple:
+def _named_slots(what: str, mapping, lone: str) -> tuple:
+    """``name -> layout or (given, desired)``; a lone layout is the ``lone`` one of the pair,
+    as the positional layouts are (inputs' given, outputs' desired)."""
     if mapping is None:
         return ()
     if not isinstance(mapping, dict):
@@ -509,7 +511,7 @@ def _named_slots(what: str, mapping) -> tuple:
         if not isinstance(name, str):
             raise TypeError(f"{what} keys must be strings (got {name!r} that is a {type(name)!r}).")
         if is_placement(value) or value is None:
-            value = (value, None)
+            value = (value, None) if lone == "given" else (None, value)
         if not (isinstance(value, tuple) and len(value) == 2):
             raise TypeError(
                 f"{what}[{name!r}] must be a placement or a (given, desired) pair (got {value!r})."
@@ -525,7 +527,7 @@ def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> 
     - ``given``: one layout per positional input, the layout its local tensor is in
       (``None``: leave that input alone). A DTensor input must already have it.
     - ``desired``: the layout (or a tuple, one per input) to redistribute to; default: given.
-    - ``kwargs``: keyword input name -> layout or ``(given, desired)``.
+    - ``kwargs``: keyword input name -> given layout or ``(given, desired)``.
     - ``local``: hand the module local tensors (default: DTensors).
 
     ``prepare_in(Shard(1), desired=Replicate())`` is PyTorch's
@@ -538,7 +540,8 @@ def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> 
     wanted = _per_slot("prepare_in: 'desired'", desired, len(given))
     slots = tuple(Slot(g, d) for g, d in zip(given, wanted))
     slots = _fold(slots, (), "input")
-    return Style((Inputs(slots, _named_slots("prepare_in: 'kwargs'", kwargs), _local(local)),))
+    named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
+    return Style((Inputs(slots, named, _local(local)),))
 
 
 def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> Style:
@@ -548,7 +551,7 @@ def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> S
       list), ``None`` leaves that output alone.
     - ``given``: the layout (or a tuple, one per output) each local output is in; default:
       a DTensor's own, a plain tensor's taken to be ``desired``.
-    - ``keys``: for dict outputs, key -> layout or ``(given, desired)``.
+    - ``keys``: for dict outputs, key -> desired layout or ``(given, desired)``.
     - ``local``: hand on local tensors (default) or DTensors (``local=False``).
 
     ``prepare_out(Shard(0), given=Replicate())`` is PyTorch's
@@ -560,7 +563,8 @@ def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> S
     desired = tuple(_placement_or_none(f"prepare_out: output {i}", d) for i, d in enumerate(desired))
     givens = _per_slot("prepare_out: 'given'", given, len(desired))
     slots = _fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
-    return Style((Outputs(slots, _named_slots("prepare_out: 'keys'", keys), _local(local)),))
+    named = _named_slots("prepare_out: 'keys'", keys, "desired")
+    return Style((Outputs(slots, named, _local(local)),))
 
 
 def identity() -> Style:
