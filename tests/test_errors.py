@@ -144,6 +144,12 @@ PURE = [
     ("sparse embedding", lambda: resolve(
         {"tok": colwise()}, nn.ModuleDict({"tok": nn.Embedding(4, 2, sparse=True)})),
      PlanError, r"nn\.Embedding\(sparse=\.\.\.\) makes sparse gradients, which DTensor cannot hold"),
+    ("packed parts the ranks cannot split", lambda: tpfn.explain(
+        nn.Sequential(nn.Linear(4, 6, bias=False)), {"0": colwise(parts=2)}, world_size=2),
+     PlanError, re.escape("parameter '0.weight' packs 2 parts in dim 0 (6): each part (3) must "
+                          "split evenly over 2 ranks, so dim 0 must be a multiple of 4; pad each "
+                          "part, or choose a mesh size that divides 3 (colwise(parts=2) at '0' "
+                          "(Linear)).") + "$"),
     ("sequence parallel on a linear", lambda: resolve({"output": sequence_parallel()}, transformer()),
      PlanError, r"parameters must be 1-D \(norms, dropout\), but weight is not; shard it with "
      r"colwise\(\) or rowwise\(\)\."),

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 
 from tests.ranks import mesh
-from tpfn import Replicate, Shard, prepare_inputs, prepare_outputs, shard_params
+from tpfn import LayoutError, Replicate, Shard, prepare_inputs, prepare_outputs, shard_params
 from tpfn.bind import InputSpec, OutputSpec
 from tpfn.style import Slot
 
@@ -25,6 +25,11 @@ def _pure():
     assert torch.equal(new["weight"].to_local(), before["weight"].chunk(2)[rank])
     assert not isinstance(lin.weight, DTensor)
     assert all(torch.equal(v, before[k]) for k, v in lin.state_dict().items())
+    try:  # packed parts that do not split evenly over the ranks
+        shard_params(lin, m, {"weight": Shard(0, parts=2)})
+        raise AssertionError("no error")
+    except LayoutError as error:
+        assert "each part (3) must split evenly over 2 ranks" in str(error)
 
     x = torch.arange(8.0).reshape(2, 4)
     args, kwargs = [x, "keep"], {"y": x}

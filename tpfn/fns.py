@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn.errors import LayoutError
-from tpfn.layout import from_torch, to_torch
+from tpfn.layout import Shard, from_torch, to_torch
 from tpfn.local import failed, placements
 from tpfn.shapes import SHAPES, contiguous_strides
 
@@ -38,6 +38,9 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
     out = {}
     for name, layout in rule.items():
         param = module.get_parameter(name)
+        problem = unpackable(name, param.shape, layout, mesh.size())
+        if problem:
+            raise LayoutError(problem)
         placements = to_torch(layout)
         if isinstance(param, DTensor):
             if param.device_mesh != mesh or param.placements != placements:
@@ -50,6 +53,28 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
         dt = distribute_tensor(param, mesh, placements, src_data_rank=src_rank)
         out[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     return out
+
+
+def unpackable(name: str, shape, layout, n: int) -> str | None:
+    """Why ``n`` ranks cannot hold packed parts of parameter ``name`` evenly (None: they can).
+
+    Each rank holds its chunk of every part, so each part must split evenly over the ranks.
+
+    >>> unpackable("gate_up.weight", (12, 8), Shard(0, parts=2), 4)
+    "parameter 'gate_up.weight' packs 2 parts in dim 0 (12): each part (6) must split evenly over 4 ranks, so dim 0 must be a multiple of 8; pad each part, or choose a mesh size that divides 6."
+    """
+    if not isinstance(layout, Shard) or layout.parts == 1:
+        return None
+    dim, parts = layout.dim % len(shape), layout.parts
+    if shape[dim] % (parts * n) == 0:
+        return None
+    if shape[dim] % parts:
+        return (f"parameter {name!r} packs {parts} parts in dim {dim}, but {shape[dim]} does not "
+                f"split into {parts} equal parts; give the number of parts it packs.")
+    part = shape[dim] // parts
+    return (f"parameter {name!r} packs {parts} parts in dim {dim} ({shape[dim]}): each part "
+            f"({part}) must split evenly over {n} ranks, so dim {dim} must be a multiple of "
+            f"{parts * n}; pad each part, or choose a mesh size that divides {part}.")
 
 
 def checked(x: DTensor, slot, mesh, what: str) -> DTensor:

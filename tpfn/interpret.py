@@ -17,7 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from tpfn.bind import InputSpec, describe
 from tpfn.errors import PlanError
-from tpfn.fns import checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params
+from tpfn.fns import (
+    checked, not_a_tensor, prepare_inputs, prepare_outputs, shard_params, unpackable,
+)
 from tpfn.grads import reduce_partial_grads
 from tpfn.layout import Partial, from_torch
 from tpfn.local import (
@@ -57,7 +59,7 @@ def _check_mesh(mesh, src_rank) -> None:
                          f"(got {src_rank!r}).")
 
 
-def _placements(modules: dict, mounts: list) -> tuple:
+def _placements(modules: dict, mounts: list, n: int) -> tuple:
     """``{fqn.name: placement}`` with one entry per parameter object, and the problems found."""
     by_param: dict = {}
     found = []
@@ -76,6 +78,9 @@ def _placements(modules: dict, mounts: list) -> tuple:
                     )
                 continue
             by_param[id(param)] = (full, placement, mount.style)
+            problem = unpackable(full, param.shape, placement, n)
+            if problem:
+                found.append(f"{problem[:-1]} ({mount.style!r} at {describe(sub, mount.fqn)}).")
             if isinstance(param, DTensor) and from_torch(param.placements) != (placement,):
                 found.append(f"parameter {full!r} is already a DTensor laid out "
                              f"{from_torch(param.placements)}; it cannot become {placement!r}.")
@@ -111,7 +116,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
     found = [f"{describe(modules[m.fqn], m.fqn)} is already parallelized "
              f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
              "leave it out of this plan." for m in bound if mounted(modules[m.fqn])]
-    rule, tied = _placements(modules, bound)
+    rule, tied = _placements(modules, bound, mesh.size())
     if found + tied:
         raise PlanError(found + tied)
 
