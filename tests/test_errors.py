@@ -270,7 +270,7 @@ RANKED = {
     "module not a module": ("TypeError", r"^'module' must be an nn\.Module \(got <function"),
     "an N-D mesh": ("ValueError", exact(
         "parallelize takes the 1-D tensor-parallel mesh, got a 2-D mesh (2, 1) with dims "
-        "('tp', 'dp'); pass mesh['dp'].")),
+        "('tp', 'dp'); pass mesh['tp'].")),
     "src rank outside the mesh": ("ValueError", exact(
         "'src_rank' must be a rank of the mesh (0..1) or None (got 2).")),
     "parallelized twice": ("PlanError", r"'a' \(Linear\) is already parallelized \(colwise\(\)\); "

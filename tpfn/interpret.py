@@ -48,7 +48,8 @@ def _check_mesh(mesh, src_rank) -> None:
         )
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
-        hint = f"mesh[{names[-1]!r}]" if names else "mesh['tp'] (name the dims with mesh_dim_names)"
+        tp = "tp" if "tp" in names else names[-1] if names else None  # innermost: the fastest links
+        hint = f"mesh[{tp!r}]" if tp else "mesh['tp'] (name the dims with mesh_dim_names)"
         raise ValueError(
             f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}."
@@ -179,6 +180,13 @@ class _LocalHooks:
         self.calls: list = []
 
     def enter(self, module, args, kwargs):
+        try:
+            return self._enter(module, args, kwargs)
+        except BaseException:
+            self.calls.append(None)  # ``leave`` still runs (always_call): nothing to undo
+            raise
+
+    def _enter(self, module, args, kwargs):
         spec, kernel = self.mount.inputs, self.kernel
         args, kwargs = list(args), dict(kwargs)
         first, first_shape, mask, noise = None, None, None, None
@@ -231,7 +239,10 @@ class _LocalHooks:
         return move(x, given, wanted, grad, self.mesh, shape, what), shape
 
     def leave(self, module, args, output):
-        saved, shape, mask, noise, random = self.calls.pop()
+        call = self.calls.pop()
+        if call is None:  # enter raised; its error propagates
+            return None
+        saved, shape, mask, noise, random = call
         for owner, name, param in saved:
             owner._parameters[name] = param
         random.close()

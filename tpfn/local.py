@@ -272,4 +272,4 @@ def dropout_slice(module: nn.Dropout, local: torch.Tensor, global_shape: tuple, 
     noise = nn.functional.dropout(whole, module.p, training=True)
     chunk = -(-global_shape[dim] // mesh.size())
     start = min(mesh.get_coordinate()[0] * chunk, global_shape[dim])
-    return noise.narrow(dim, start, local.shape[dim])
+    return noise.narrow(dim, start, local.shape[dim]).clone()  # frees the rest of the noise
