@@ -1,7 +1,10 @@
 """Train a small Llama with data x tensor parallelism, then resume at another tensor-parallel degree.
 
     python examples/train_dp_tp.py                  # 4 CPU processes with gloo
-    torchrun --nproc-per-node 4 examples/train_dp_tp.py
+    torchrun --nproc-per-node 4 examples/train_dp_tp.py [checkpoint directory]
+
+The checkpoint goes to rank 0's temporary directory unless a directory is given; across
+nodes, give one on a file system every node shares.
 
 Phase 1 trains on a 2 x 2 mesh (FSDP2 over 2 data-parallel ranks, tpfn over 2
 tensor-parallel ranks, sequence parallel, vocab-parallel loss) and checkpoints after step 4.
@@ -58,7 +61,9 @@ def train(model, mesh, opt, steps) -> list:
 
 
 def main(directory: str) -> None:
-    path = os.path.join(directory, "step-4")
+    shared = [directory]
+    dist.broadcast_object_list(shared, src=0)  # under torchrun each process made its own
+    path = os.path.join(shared[0], "step-4")
     model, mesh, opt = build(dp=2, tp=2)
     first = train(model, mesh, opt, range(1, SAVE_AT + 1))
     tpfn.checkpoint.save(path, model, opt)
@@ -80,5 +85,8 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        run(main, 4, tmp)
+    if len(sys.argv) > 1:
+        run(main, 4, sys.argv[1])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            run(main, 4, tmp)

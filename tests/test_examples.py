@@ -13,9 +13,21 @@ def _example(name: str, *args):
     return module.main(*args)
 
 
+def _own_directory(name: str, root: str):
+    """As under torchrun: every process makes a temporary directory of its own."""
+    import torch.distributed as dist
+
+    mine = os.path.join(root, f"rank{dist.get_rank()}")
+    os.makedirs(mine)
+    _example(name, mine)
+    return sorted(os.listdir(mine))
+
+
 def test_dp_x_tp_training_resumes_at_another_tp_degree(ranks4, tmp_path):
-    # main() asserts that the resumed losses continue the uninterrupted ones.
-    ranks4.run(_example, "train_dp_tp", str(tmp_path))
+    # main() asserts that the resumed losses continue the uninterrupted ones; the ranks
+    # agree on rank 0's directory.
+    found = ranks4.run(_own_directory, "train_dp_tp", str(tmp_path))
+    assert found == [["step-4"], [], [], []]
 
 
 def test_the_demo_matches_one_process(ranks2):
