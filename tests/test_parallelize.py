@@ -437,7 +437,7 @@ def _errors():
 def test_bad_parallelize_calls_raise_before_changing_anything(ranks2):
     found = ranks2.run(_errors)[0]
     assert found["nd"] == ("parallelize takes the 1-D tensor-parallel mesh, got a 2-D mesh (2, 1) "
-                           "with dims ('tp', 'dp'); pass mesh['dp'].")
+                           "with dims ('tp', 'dp'); pass mesh['tp'].")
     assert found["plan"] == [
         "'3' -> rowwise() matches no module; modules here: 0, 1, 2",
         "colwise() at '1' (ReLU): it shards nn.Linear and nn.Embedding, not ReLU.",

@@ -110,7 +110,6 @@ def cotangent_placement(p):
     return Replicate() if isinstance(p, Partial) else p
 
 
-@functools.lru_cache(maxsize=4096)
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
     """The spec of a tensor of global ``shape`` laid out by a torch ``placement``."""
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), dtype)
@@ -155,8 +154,7 @@ class _Move(torch.autograd.Function):
         return moved, None, None, None
 
 
-@functools.lru_cache(maxsize=4096)
-def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
+def _build_specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
     """(forward specs, backward specs) of a move, each None where nothing moves.
 
     Everything here is torch placements: tpfn's layout values are only read, never made,
@@ -175,6 +173,9 @@ def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
     return forward, backward
 
 
+_specs = functools.lru_cache(maxsize=4096)(_build_specs)
+
+
 @functools.lru_cache(maxsize=1024)
 def placements(layout, ndim: int) -> tuple:
     """The torch placements of a 1-D layout for a tensor of ``ndim`` dims (shard dims
@@ -186,7 +187,10 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str =
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
     (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
     errors."""
-    forward_specs, backward_specs = _specs(mesh, src, dst, grad, tuple(global_shape), x.dtype)
+    shape = tuple(global_shape)
+    if torch.compiler.is_compiling():
+        return _traced_move(x, src, dst, grad, mesh, shape)
+    forward_specs, backward_specs = _specs(mesh, src, dst, grad, shape, x.dtype)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return redistribute(x, *forward_specs, what) if forward_specs else x
     if forward_specs is None and backward_specs is None:
@@ -194,6 +198,19 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str =
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
     return _Move.apply(x, forward_specs, backward_specs, what)
+
+
+def _traced_move(x, src, dst, grad, mesh, shape: tuple):
+    """``move`` as DTensor operations, which torch.compile traces whole (``_Move`` calls
+    into DTensor internals that it skips)."""
+    if mesh.size() == 1 or (src == dst and grad is None):
+        return x
+    ndim = len(shape)
+    dt = DTensor.from_local(x, mesh, placements(src, ndim), run_check=False, shape=shape,
+                            stride=contiguous_strides(shape))
+    if src != dst:
+        dt = dt.redistribute(mesh, placements(dst, ndim))
+    return dt.to_local(grad_placements=None if grad is None else placements(grad, ndim))
 
 
 class _PartialBias(torch.autograd.Function):
@@ -250,6 +267,8 @@ def local_params(module: nn.Module, kernel: Kernel, mesh) -> list:
 
 
 def _view(param: DTensor, grad):
+    if torch.compiler.is_compiling():
+        return param.to_local(grad_placements=None if grad is None else to_torch(grad))
     if param.requires_grad and torch.is_grad_enabled():
         return _View.apply(param, _grad_spec(param._spec, None if grad is None else to_torch(grad)))
     return param._local_tensor

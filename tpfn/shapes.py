@@ -5,7 +5,8 @@ from 8. Every sharded local tensor that leaves a slot is remembered here, by ide
 by local shape and layout. The next annotation of that very tensor recovers its global
 shape exactly; one computed from it with the same local shape (a residual sum) recovers
 the most recent global shape seen for that local shape; anything else is taken to be an
-even split, as DTensor assumes. Under ``torch.compile`` only the memory by shape applies.
+even split, as DTensor assumes. Compiled code neither reads nor writes the memory (a graph
+would be specialized on it): there, sharded local tensors are even splits.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ class _Shapes:
         self.size, self.table, self.tensors = size, collections.OrderedDict(), WeakTensorKeyDictionary()
 
     def remember(self, local, placements: tuple, global_shape, mesh) -> None:
+        if torch.compiler.is_compiling():  # a compiled graph would guard on the memory
+            return
         if any(p.is_shard() for p in placements):
             key = (tuple(local.shape), placements, id(mesh))
-            if not torch.compiler.is_compiling():  # traced tensors have no lasting identity
-                self.tensors[local] = (key, tuple(global_shape))
+            self.tensors[local] = (key, tuple(global_shape))
             self.table[key] = tuple(global_shape)
             self.table.move_to_end(key)
             while len(self.table) > self.size:
@@ -36,13 +38,14 @@ class _Shapes:
 
     def recall(self, local, placements: tuple, mesh):
         """The remembered global shape, else the even split DTensor would assume."""
-        key = (tuple(local.shape), placements, id(mesh))
-        mine = None if torch.compiler.is_compiling() else self.tensors.get(local)
-        if mine is not None and mine[0] == key:
-            return mine[1]
-        found = self.table.get(key)
-        if found is not None:
-            return found
+        if not torch.compiler.is_compiling():
+            key = (tuple(local.shape), placements, id(mesh))
+            mine = self.tensors.get(local)
+            if mine is not None and mine[0] == key:
+                return mine[1]
+            found = self.table.get(key)
+            if found is not None:
+                return found
         shape = list(local.shape)
         for p in placements:
             if p.is_shard():
