@@ -126,6 +126,18 @@ def test_counts_and_sizes_are_those_of_the_real_run_at_every_world_size(real, ca
         assert report.blocks_bytes == report.megatron_bytes  # these plans reach the minimum
 
 
+def test_one_rank_moves_nothing_and_says_so():
+    model = local_heads(transformer(vocab_size=16, n_layers=1), 1)
+    report = tpfn.explain(model, transformer_plan(sp=True), world_size=1,
+                          example_inputs=torch.zeros(2, 8, dtype=torch.long))
+    text = str(report)
+    assert report.bytes == 0 and report.collectives == {}
+    assert text.startswith("tpfn.explain on 1 rank: ") and "nan" not in text
+    model, plan, x = _llama()
+    assert str(tpfn.explain(model, plan, world_size=1, example_inputs=x)).endswith(
+        "measured in the blocks: 0 B; ratio - (one rank moves nothing)")
+
+
 def test_inputs_may_be_tensors_meta_tensors_shapes_or_keywords():
     model, plan, x = _llama()
     by_shape = tpfn.explain(model, plan, world_size=2, example_inputs=(2, 64))

@@ -71,7 +71,7 @@ class _PartialGrads:
             grads = [p.grad for p in params]
             flat = torch.cat([g.to_local().reshape(-1) for g in grads])
             for dim, placement in enumerate(placements):
-                if placement.is_partial():
+                if placement.is_partial() and mesh.size(dim) > 1:
                     flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
             replicated = [Replicate() if p.is_partial() else p for p in placements]
             for param, grad, piece in zip(params, grads, flat.split([g.to_local().numel() for g in grads])):

@@ -321,7 +321,8 @@ class Report:
         """What ran: ``'tpfn.explain on 8 ranks: one forward and backward of input 0 (8, 16) int64'``."""
         inputs = ", ".join(f"{n} {_shape(s)} {t}" for n, s, t in self.inputs)
         run = f"one forward and backward of {inputs}" if inputs else "no inputs given, nothing ran"
-        return f"tpfn.explain on {self.world_size} ranks: {run}"
+        ranks = f"{self.world_size} rank{'s' * (self.world_size != 1)}"
+        return f"tpfn.explain on {ranks}: {run}"
 
     def totals(self) -> list:
         """``(label, text)`` of every total: collectives, bytes, parameter bytes, Megatron."""
@@ -336,12 +337,15 @@ class Report:
         m = self.megatron
         if m is not None:
             formula, measured = self.megatron_bytes, self.blocks_bytes
-            ratio = sympy.simplify(measured / formula)
+            if formula == 0:  # one rank: nothing to move
+                ratio = "- (one rank moves nothing)"
+            else:
+                ratio = sympy.simplify(measured / formula)
+                ratio = str(ratio) if ratio.free_symbols else f"{float(ratio):.2f}"
             out.append((
                 f"Megatron minimum, {len(m.blocks)} blocks",
                 f"8(t-1)/t*b*s*h*e each with b*s={m.tokens}, h={m.hidden}, e={m.itemsize}: "
-                f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio "
-                f"{str(ratio) if ratio.free_symbols else f'{float(ratio):.2f}'}"))
+                f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio {ratio}"))
         return out
 
     def __str__(self) -> str:
