@@ -250,6 +250,8 @@ def _on_ranks():
             nn.Linear(4, 4), m, colwise())("x"),
         "more outputs prepared than returned": lambda: tpfn.parallelize(
             nn.Linear(4, 4), m, prepare_out(Replicate(), Replicate()))(torch.randn(2, 4)),
+        "on_shards returns a tuple": lambda: tpfn.parallelize(
+            _Both(), m, on_shards(Replicate(), output=Shard(0)))(torch.randn(2, 4)),
         "logits sharded off the class dim": lambda: tpfn.cross_entropy(
             distribute_tensor(torch.randn(4, 6), m, [TShard(0)]), torch.zeros(4).long()),
     }
@@ -261,6 +263,11 @@ def _on_ranks():
         except Exception as e:  # noqa: BLE001 - the type is part of what is checked
             out[name] = (type(e).__name__, str(e))
     return out
+
+
+class _Both(nn.Module):
+    def forward(self, x):
+        return x, x
 
 
 RANKED = {
@@ -283,8 +290,12 @@ RANKED = {
         "input 0 of '<root>' (Linear) arrives laid out Replicate() but the plan declares "
         "Shard(dim=0); declare Replicate() there, or redistribute it before the call.")),
     "a non-tensor at a declared slot": ("TypeError", exact(
-        "input 0 of '<root>' (Linear) is declared Slot(given=None, desired=Replicate()) but is "
-        "str, not a tensor; mark it None to leave it alone.")),
+        "input 0 of '<root>' (Linear) is declared Replicate() but is str, not a tensor; mark it "
+        "None to leave it alone.")),
+    "on_shards returns a tuple": ("TypeError", exact(
+        "the output of '<root>' (_Both) is tuple, not a tensor, but on_shards(Replicate(), "
+        "output=Shard(dim=0)) declares one output laid out Shard(dim=0); return one tensor, or "
+        "leave out output= and lay out the items with prepare_out(..., given=...).")),
     "more outputs prepared than returned": ("LayoutError", exact(
         "'<root>' (Linear) returned one output; the plan prepares 2: give prepare_out one layout.")),
     "logits sharded off the class dim": ("ValueError", r"^cross_entropy: logits must be sharded on "

@@ -197,3 +197,31 @@ def _submodule_params():
 
 def test_on_shards_hands_submodules_their_shards_too(ranks2):
     assert ranks2.run(_submodule_params) == [(True,) * 5] * 2
+
+
+class Split(nn.Module):
+    """Two outputs: the projection and the input it came from."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 12)
+
+    def forward(self, x):
+        return self.proj(x), x
+
+
+def _tuple_outputs():
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = Split()
+    style = (params(**{"proj.weight": Shard(0), "proj.bias": Shard(0)})
+             >> on_shards(Replicate(), grads=Partial())
+             >> prepare_out(Replicate(), None, given=(Shard(-1), None)))
+    tp = tpfn.parallelize(clone(ref), m, style)
+    x = torch.randn(3, 8)
+    (y, same), (expected, _) = tp(x), ref(x)
+    return rel_err(y, expected) <= TOL, same is x
+
+
+def test_on_shards_outputs_several_tensors_through_prepare_out(ranks2):
+    assert ranks2.run(_tuple_outputs) == [(True, True)] * 2

@@ -100,7 +100,9 @@ def _agree(have: tuple, want: tuple) -> bool:
 
 
 def not_a_tensor(x, slot, what: str) -> TypeError:
-    return TypeError(f"{what} is declared {slot!r} but is {type(x).__name__}, not a tensor; "
+    layout = (repr(slot.desired) if slot.given is None else repr(slot.given)
+              if slot.desired is None else f"{slot.given!r} -> {slot.desired!r}")
+    return TypeError(f"{what} is declared {layout} but is {type(x).__name__}, not a tensor; "
                      "mark it None to leave it alone.")
 
 

@@ -251,6 +251,11 @@ class _LocalHooks:
         spec = self.mount.outputs
         if self.kernel.output is None:
             return prepare_outputs(output, spec, self.mesh)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"the output of {spec.where} is {type(output).__name__}, not a tensor, but "
+                f"{self.mount.style!r} declares one output laid out {self.made!r}; return one "
+                "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         if mask is not None:  # ids outside this rank's vocabulary
             output = output.masked_fill(mask.unsqueeze(-1), 0)
         if noise is not None:
