@@ -1,6 +1,7 @@
 """``tpfn explain`` on the command line: the table, JSON, the HTML picture, and clear errors."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -68,6 +69,16 @@ def test_python_dash_m_tpfn_runs_the_same_command():
     report = tpfn.explain(tiny(), PLAN, world_size=4,
                           example_inputs=torch.zeros(2, 8, dtype=torch.int32))
     assert done.stdout == f"{report}\n"
+
+
+def test_the_tpfn_script_loads_from_the_working_directory():
+    # The documented command, run from the repository root as a user runs it from theirs.
+    script = os.path.join(os.path.dirname(sys.executable), "tpfn")
+    done = subprocess.run([script, "explain", "examples.llama:Llama", "examples.llama:llama_plan",
+                           "--world-size", "2", "--input", "2,64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Megatron minimum, 2 blocks" in done.stdout and done.stdout.endswith("ratio 1.00\n")
 
 
 def test_the_tpfn_script_is_the_command_line():

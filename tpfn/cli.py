@@ -25,6 +25,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import sys
 
 import sympy
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `tpfn` script: as `python -m`
+        sys.path.insert(0, os.getcwd())
     try:
         model, plan = _load(args.model, "model"), _load(args.plan, "plan")
     except argparse.ArgumentTypeError as e:
