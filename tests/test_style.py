@@ -4,7 +4,7 @@ redistribution per slot, bound to module kinds with the right defaults."""
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import tpfn
@@ -42,15 +42,21 @@ def prepare_outs(draw):
     return prepare_out(*desired, given=givens or None, local=draw(flags))
 
 
+@st.composite
+def on_shards_styles(draw):
+    wants = draw(st.lists(slot_layouts, max_size=2).map(tuple))
+    each = st.tuples(*[out_layouts for _ in wants])  # one per input, None included
+    grads = draw(st.one_of(st.none(), out_layouts, each))
+    return on_shards(*wants, grads=grads, output=draw(out_layouts), local=draw(flags))
+
+
 stages = st.one_of(
     prepare_ins(),
     prepare_outs(),
     st.builds(colwise, local=flags),
     st.builds(rowwise, local=flags),
     st.builds(sequence_parallel, st.integers(-2, 2), local=flags),
-    st.builds(lambda w, g, o, loc: on_shards(*w, grads=g, output=o, local=loc),
-              st.lists(slot_layouts, max_size=2).map(tuple), st.one_of(st.none(), out_layouts),
-              out_layouts, flags),
+    on_shards_styles(),
     st.builds(colwise, parts=st.integers(1, 3), local=flags),
     st.builds(lambda **kw: params(**kw), **{"w": st.sampled_from([Shard(0), Replicate()])}),
     st.just(replicate()),
@@ -77,6 +83,7 @@ valid_styles = styles.filter(lambda s: s is not StyleError)
 
 
 @given(valid_styles)
+@example(on_shards(Replicate(), grads=(None,)))  # no gradient for the input, not the default
 def test_a_style_prints_as_the_code_that_builds_it(style):
     rebuilt = eval(repr(style), NAMESPACE)
     assert rebuilt == style and hash(rebuilt) == hash(style)
