@@ -97,6 +97,9 @@ PURE = [
     ("declarations disagree", lambda: colwise() >> prepare_out(Shard(0), given=Replicate()),
      StyleError, r"^output 0: one stage delivers Shard\(dim=-1\) and the next declares it arrives as "
      r"Replicate\(\); make the declarations agree \(or leave given=None\)\.$"),
+    ("desired with no slots", lambda: prepare_in(desired=Replicate()), TypeError,
+     exact("prepare_in: 'desired' has no slots to apply to: give one positional layout per slot "
+           "first (None: as it comes), e.g. prepare_in(None, desired=Replicate()).")),
     ("parameter placed twice", lambda: params(w=Shard(0)) >> params(w=Shard(1)), StyleError,
      exact("parameter 'w' is placed twice: Shard(dim=0) and Shard(dim=1); keep one.")),
     ("prepare_in bad layout", lambda: prepare_in("S1"), TypeError,

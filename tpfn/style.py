@@ -440,7 +440,8 @@ def on_shards(*wants, grads=None, output=None, param_grads=None, local: bool | N
     wants = tuple(_placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
     if is_placement(grads):  # one layout for every input the module computes with
         grads = tuple(None if w is None else grads for w in wants)
-    grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants))
+    grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants),
+                                                   "on_shards(Replicate(), grads=Partial())")
     output = _placement_or_none("on_shards: 'output'", output)
     rules = []
     for name, placement in (param_grads or {}).items():
@@ -483,10 +484,13 @@ def params(**rules) -> Style:
     return Style((Params(tuple(sorted(rules.items()))),))
 
 
-def _per_slot(what: str, value, n: int) -> tuple:
+def _per_slot(what: str, value, n: int, example: str) -> tuple:
     """One layout (or None) per slot from a layout, or a tuple of them."""
     if value is None:
         return (None,) * n
+    if n == 0:
+        raise TypeError(f"{what} has no slots to apply to: give one positional layout per slot "
+                        f"first (None: as it comes), e.g. {example}.")
     if is_placement(value):
         if n != 1:
             raise TypeError(f"{what} has one layout for {n} slots: give a tuple of {n} (None: untouched).")
@@ -537,7 +541,8 @@ def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> 
     prepare_in(Shard(dim=1), desired=Replicate(), kwargs={'mask': (Replicate(), None)})
     """
     given = tuple(_placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
-    wanted = _per_slot("prepare_in: 'desired'", desired, len(given))
+    wanted = _per_slot("prepare_in: 'desired'", desired, len(given),
+                       "prepare_in(None, desired=Replicate())")
     slots = tuple(Slot(g, d) for g, d in zip(given, wanted))
     slots = _fold(slots, (), "input")
     named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
@@ -561,7 +566,8 @@ def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> S
     prepare_out(Shard(dim=0), given=Replicate())
     """
     desired = tuple(_placement_or_none(f"prepare_out: output {i}", d) for i, d in enumerate(desired))
-    givens = _per_slot("prepare_out: 'given'", given, len(desired))
+    givens = _per_slot("prepare_out: 'given'", given, len(desired),
+                       "prepare_out(None, given=Partial())")
     slots = _fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
     named = _named_slots("prepare_out: 'keys'", keys, "desired")
     return Style((Outputs(slots, named, _local(local)),))
