@@ -488,7 +488,7 @@ def _per_slot(what: str, value, n: int, example: str) -> tuple:
     """One layout (or None) per slot from a layout, or a tuple of them."""
     if value is None:
         return (None,) * n
-    if n == 0:
+    if n == 0 and value != ():  # on_shards(grads=Partial()) with no inputs says nothing
         raise TypeError(f"{what} has no slots to apply to: give one positional layout per slot "
                         f"first (None: as it comes), e.g. {example}.")
     if is_placement(value):
