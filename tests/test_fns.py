@@ -8,7 +8,10 @@ from torch.distributed.tensor import Replicate as TReplicate
 from torch.distributed.tensor import Shard as TShard
 
 from tests.ranks import mesh
-from tpfn import LayoutError, Replicate, Shard, prepare_inputs, prepare_outputs, shard_params
+from tpfn import (
+    LayoutError, Replicate, Shard, colwise, prepare_in, prepare_inputs, prepare_out, prepare_outputs,
+    shard_params,
+)
 from tpfn.bind import InputSpec, OutputSpec
 from tpfn.style import Slot
 
@@ -49,3 +52,33 @@ def _pure():
 
 def test_shard_params_prepare_inputs_and_prepare_outputs_are_pure(ranks2):
     assert all(ranks2.run(_pure))
+
+
+def _styles_as_specs():
+    m = mesh(2)
+    rank = dist.get_rank()
+    full = torch.arange(16.0).reshape(4, 4)
+    (x,), kwargs = prepare_inputs((full.chunk(2)[rank],), {"mask": full},
+                                  prepare_in(Shard(0), desired=Replicate(), local=True,
+                                             kwargs={"mask": Replicate()}), m)
+    assert torch.equal(x, full) and isinstance(kwargs["mask"], torch.Tensor)
+    y, z = prepare_outputs((full, full), prepare_out(Shard(1), None, given=(Replicate(), None),
+                                                     local=False), m)
+    assert y.placements == (TShard(1),) and torch.equal(y.to_local(), full.chunk(2, dim=1)[rank])
+    assert z is full
+    try:
+        prepare_inputs((x,), {}, colwise(), m)
+        raise AssertionError("no error")
+    except TypeError as error:
+        assert str(error) == ("prepare_inputs: 'spec' must be a prepare_in(...) style or the "
+                              "spec a mounted module holds (got colwise()).")
+    try:
+        prepare_inputs(("text",), {}, prepare_in(Shard(0)), m)
+        raise AssertionError("no error")
+    except TypeError as error:
+        assert str(error).startswith("input 0 of prepare_inputs is declared Shard(dim=0) but is str")
+    return True
+
+
+def test_prepare_in_and_prepare_out_styles_are_specs(ranks2):
+    assert all(ranks2.run(_styles_as_specs))

@@ -5,9 +5,10 @@ None of them mutates its arguments; ``parallelize`` mounts them on modules.
 - ``shard_params(module, mesh, rule)``: ``{name: nn.Parameter(DTensor)}`` for the named
   parameters of ``module``, each laid out as ``rule`` says.
 - ``prepare_inputs(args, kwargs, spec, mesh)``: the inputs annotated with their given layout,
-  redistributed to the desired one, as local tensors or DTensors.
+  redistributed to the desired one, as local tensors or DTensors; ``spec`` is a
+  ``prepare_in(...)`` style.
 - ``prepare_outputs(outputs, spec, mesh)``: the same for a module's outputs (a tensor, the
-  items of a tuple or list, the values of a dict).
+  items of a tuple or list, the values of a dict), with a ``prepare_out(...)`` style.
 
 A local tensor that leaves a slot sharded remembers its global shape (``tpfn.shapes``), so
 a sequence the mesh does not divide keeps its length when the next module annotates it
@@ -16,14 +17,19 @@ again (PyTorch infers an even split there, torchtitan#1306).
 
 from __future__ import annotations
 
+import functools
+
+import attrs
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tpfn.bind import bind
 from tpfn.errors import LayoutError
 from tpfn.layout import Shard, from_torch, to_torch
 from tpfn.local import failed, placements
 from tpfn.shapes import SHAPES, contiguous_strides
+from tpfn.style import Inputs, Outputs, Style
 
 __all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
 
@@ -134,8 +140,36 @@ def _convert(x, slot, mesh, local: bool, what: str):
     return out
 
 
+class _Anything(nn.Module):
+    def forward(self, *args, **kwargs):
+        return args, kwargs
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(style: Style, side: str):
+    kind, name = (Inputs, "prepare_in") if side == "inputs" else (Outputs, "prepare_out")
+    if not all(isinstance(s, kind) for s in style.stages):
+        raise TypeError(f"prepare_{side}: 'spec' must be a {name}(...) style or the spec a "
+                        f"mounted module holds (got {style!r}).")
+    mount = bind(style, _Anything())
+    return attrs.evolve(mount.inputs if side == "inputs" else mount.outputs,
+                        where=f"prepare_{side}")
+
+
 def prepare_inputs(args: tuple, kwargs: dict, spec, mesh) -> tuple:
-    """``(args, kwargs)`` with every input that ``spec`` names converted (new containers)."""
+    """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
+
+    ``spec``: a ``prepare_in(...)`` style, or the ``InputSpec`` of a mounted module.
+
+    >>> import torch, tpfn
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,))
+    >>> (x,), _ = prepare_inputs((torch.ones(2, 3),), {}, tpfn.prepare_in(tpfn.Shard(0)), mesh)
+    >>> x.placements, x.shape
+    ((Shard(dim=0),), torch.Size([2, 3]))
+    """
+    if isinstance(spec, Style):
+        spec = _spec_of(spec, "inputs")
     args, kwargs = list(args), dict(kwargs)
     for i, slot in enumerate(spec.slots):
         what = f"input {i} of {spec.where}"
@@ -152,7 +186,20 @@ def prepare_inputs(args: tuple, kwargs: dict, spec, mesh) -> tuple:
 
 
 def prepare_outputs(outputs, spec, mesh):
-    """``outputs`` with every output that ``spec`` names converted (a new container)."""
+    """``outputs`` with every output that ``spec`` names converted (a new container).
+
+    ``spec``: a ``prepare_out(...)`` style, or the ``OutputSpec`` of a mounted module.
+
+    >>> import torch, tpfn
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,))
+    >>> out = prepare_outputs(torch.ones(4, 2), tpfn.prepare_out(tpfn.Replicate(),
+    ...                       given=tpfn.Partial()), mesh)
+    >>> type(out).__name__, out.shape              # a local tensor, the partial sums summed
+    ('Tensor', torch.Size([4, 2]))
+    """
+    if isinstance(spec, Style):
+        spec = _spec_of(spec, "outputs")
     if isinstance(outputs, dict):
         out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)
         names = list(out)
