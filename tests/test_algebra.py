@@ -10,7 +10,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests import virtual
-from tests.strategies import layouts, placements, setups
+from tests.strategies import layouts, setups
 from tpfn.algebra import (
     AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Step,
     comm_bytes, cotangent, local_shape, pullback, transition,

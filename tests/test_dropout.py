@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as TShard
 
 import tpfn
-from tests.models import clone, local_heads, transformer, transformer_plan
+from tests.models import local_heads, transformer, transformer_plan
 from tests.ranks import mesh
-from tpfn import Replicate, Shard, on_shards, sequence_parallel
+from tpfn import Shard, on_shards, sequence_parallel
 
 
 def _gathered(t: torch.Tensor) -> list:

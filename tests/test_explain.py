@@ -142,8 +142,8 @@ def test_inputs_may_be_tensors_meta_tensors_shapes_or_keywords():
     model, plan, x = _llama()
     by_shape = tpfn.explain(model, plan, world_size=2, example_inputs=(2, 64))
     assert by_shape.inputs == (("input 0", (2, 64), "int64"),)
-    for given in (x, (x,), torch.empty(2, 64, dtype=torch.long, device="meta"), {"input_ids": x}):
-        assert tpfn.explain(model, plan, world_size=2, example_inputs=given).comms == by_shape.comms
+    for inputs in (x, (x,), torch.empty(2, 64, dtype=torch.long, device="meta"), {"input_ids": x}):
+        assert tpfn.explain(model, plan, world_size=2, example_inputs=inputs).comms == by_shape.comms
     assert tpfn.explain(model, plan, world_size=2, example_inputs={"input_ids": x}).inputs == (
         ("input_ids", (2, 64), "int64"),)
 

@@ -74,7 +74,7 @@ def compose(*parts):
 def outcome(thunk):
     try:
         return thunk()
-    except StyleError as e:
+    except StyleError:
         return StyleError
 
 

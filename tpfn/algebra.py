@@ -38,6 +38,7 @@ __all__ = [
     "Chunk",
     "Step",
     "transition",
+    "chunk_bounds",
     "pullback",
     "cotangent",
     "local_shape",
@@ -273,6 +274,15 @@ def pullback(src, dst, grad=None, *, ndim: int | None = None) -> tuple:
 
 def _is_symbolic(*values) -> bool:
     return any(isinstance(v, sympy.Basic) for v in values)
+
+
+def chunk_bounds(n: int, k: int, c: int) -> tuple:
+    """``(start, size)`` of chunk ``c`` when ``torch.chunk`` splits ``n`` items into ``k``.
+
+    >>> [chunk_bounds(7, 2, c) for c in (0, 1)]
+    [(0, 4), (4, 3)]
+    """
+    return min(c * -(-n // k), n), _chunk_size(n, k, c)
 
 
 def _chunk_size(n, k, c):

@@ -20,15 +20,13 @@ instead of one each.
 
 from __future__ import annotations
 
-import re
-
 import torch.nn as nn
 
 from tpfn.bind import _forward_names
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.local import kernel_for
-from tpfn.plan import Plan, _matches, plan
+from tpfn.plan import Plan, _matches, generalize, plan
 from tpfn.style import (
     colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise,
     sequence_parallel,
@@ -130,11 +128,6 @@ _BY_MODULE = ("replicated_with_grad_allreduce", "moe_tp_experts")
 KNOWN = sorted({*MODULE_STYLES, *_BY_MODULE, *PARAM_RULES, *UNSUPPORTED})
 
 
-def _generic(name: str) -> str:
-    """transformers' generic name: each layer number between dots becomes ``*``."""
-    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-
-
 def _module_style(string, module: nn.Module, own: dict, where: str, found: list):
     """The style of ``module`` keyed ``string`` (None: not keyed) whose parameters keyed
     in the plan are placed ``own``; None after adding to ``found`` what prevents it."""
@@ -178,13 +171,14 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
 
 def _spell(styles: dict, modules: dict) -> dict:
     """Plan entries for ``{fqn: style}``: one generic pattern where it matches exactly the
-    modules that share a style, the module names elsewhere."""
+    modules that share a style, the module names elsewhere (and for top-level children)."""
     groups: dict = {}
     for fqn, style in styles.items():
-        groups.setdefault((_generic(fqn), style), []).append(fqn)
+        groups.setdefault((generalize(fqn), style), []).append(fqn)
     entries = {}
     for (pattern, style), fqns in groups.items():
-        if sorted(f for f in modules if _matches(pattern, f)) == sorted(fqns):
+        if not pattern.startswith("*") and \
+                sorted(f for f in modules if _matches(pattern, f)) == sorted(fqns):
             entries[pattern] = style
         else:
             entries.update(dict.fromkeys(fqns, style))
@@ -226,13 +220,14 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
         if string in UNSUPPORTED:
             found.append(f"{key!r}: transformers' {string!r} {UNSUPPORTED[string]}.")
             continue
-        hits = [f for f in modules if _generic(f) == key]
-        params_hit = [n for n, _ in model.named_parameters() if _generic(n) == key]
+        generic = generalize(key)  # transformers' keys name every layer index '*'
+        hits = [f for f in modules if generalize(f) == generic]
+        params_hit = [n for n, _ in model.named_parameters() if generalize(n) == generic]
         for name in params_hit:
             owner, _, leaf = name.rpartition(".")
             if string not in PARAM_RULES:
                 found.append(f"{key!r} names a parameter; {string!r} applies to modules, so key "
-                             f"its module {_generic(owner)!r}.")
+                             f"its module {generalize(owner)!r}.")
                 break
             ndim = model.get_parameter(name).dim()
             own.setdefault(owner, {})[leaf] = (string, PARAM_RULES[string](leaf, ndim))

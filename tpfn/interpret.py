@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tpfn.algebra import cotangent
 from tpfn.bind import InputSpec, describe
 from tpfn.errors import PlanError
 from tpfn.fns import (
@@ -23,7 +24,7 @@ from tpfn.fns import (
 from tpfn.grads import reduce_partial_grads
 from tpfn.layout import Partial, from_torch
 from tpfn.local import (
-    cotangent_placement, dropout_slice, local_params, move, placements, vocab_mask,
+    dropout_slice, local_params, move, placements, vocab_mask,
 )
 from tpfn.plan import mounts
 from tpfn.rng import sharded
@@ -176,7 +177,7 @@ class _LocalHooks:
         out = mount.outputs.slots[0] if mount.outputs.slots else None
         self.made = None if out is None else out.given  # the kernel's output layout
         self.wanted = None if out is None else out.out
-        self.back = None if out is None else cotangent_placement(self.wanted)
+        self.back = None if self.wanted is None else cotangent(self.wanted)[0]
         self.calls: list = []
 
     def enter(self, module, args, kwargs):

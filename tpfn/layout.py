@@ -34,7 +34,6 @@ __all__ = [
     "Replicate",
     "Partial",
     "Placement",
-    "Layout",
     "REDUCE_OPS",
     "as_layout",
     "is_placement",
@@ -115,7 +114,6 @@ class Partial:
 
 
 Placement = Union[Shard, Replicate, Partial]
-Layout = Union[Placement, tuple]
 
 
 def is_placement(value) -> bool:

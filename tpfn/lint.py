@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from tpfn.bind import describe
 from tpfn.layout import Shard
-from tpfn.report import generalize
+from tpfn.plan import generalize
 
 __all__ = ["uneven", "heads", "siblings", "failure"]
 

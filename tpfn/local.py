@@ -31,7 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
 from tpfn.shapes import contiguous_strides
-from tpfn.algebra import transition
+from tpfn.algebra import chunk_bounds, transition
 from tpfn.errors import CollectiveError
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 
@@ -103,11 +103,6 @@ def on_shards_kernel(stage) -> Kernel:
     """The kernel an ``on_shards(...)`` stage states."""
     return Kernel(stage.output, tuple(zip(stage.wants, stage.grads)), grads=stage.param_grads,
                   random="fork")
-
-
-def cotangent_placement(p):
-    """The layout a gradient takes back: Partial becomes Replicate (each term gets it all)."""
-    return Replicate() if isinstance(p, Partial) else p
 
 
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
@@ -276,10 +271,7 @@ def _view(param: DTensor, grad):
 
 def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh):
     """(local ids, mask of ids outside this rank's vocabulary slice), as DTensor computes them."""
-    n, rank, vocab = mesh.size(), mesh.get_coordinate()[0], module.num_embeddings
-    chunk = -(-vocab // n)
-    offset = min(rank * chunk, vocab)
-    size = max(0, min(vocab, offset + chunk) - offset)
+    offset, size = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_coordinate()[0])
     mask = (ids < offset) | (ids >= offset + size)
     return (ids - offset).masked_fill(mask, 0), mask
 
@@ -289,6 +281,5 @@ def dropout_slice(module: nn.Dropout, local: torch.Tensor, global_shape: tuple, 
     whole tensor: the same draws from the default generator, so the ranks stay in step."""
     whole = torch.ones(global_shape, dtype=local.dtype, device=local.device)
     noise = nn.functional.dropout(whole, module.p, training=True)
-    chunk = -(-global_shape[dim] // mesh.size())
-    start = min(mesh.get_coordinate()[0] * chunk, global_shape[dim])
+    start, _ = chunk_bounds(global_shape[dim], mesh.size(), mesh.get_coordinate()[0])
     return noise.narrow(dim, start, local.shape[dim]).clone()  # frees the rest of the noise

@@ -26,6 +26,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.shapes import SHAPES
 
@@ -123,8 +124,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         n_classes = SHAPES.recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
     x = x.movedim(class_dim, -1)
     shape = x.shape[:-1]
-    chunk = -(-n_classes // mesh.size())
-    offset = min(mesh.get_local_rank() * chunk, n_classes)
+    offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())
     losses = _VocabParallelCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, offset, n_classes,
         ignore_index, float(label_smoothing), mesh).reshape(shape)

@@ -32,7 +32,7 @@ from tpfn.bind import describe, fold
 from tpfn.errors import PlanError
 from tpfn.style import Style
 
-__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve", "mounts"]
+__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve", "mounts", "generalize"]
 
 
 def _check_pattern(pattern) -> str:
@@ -133,7 +133,12 @@ def _matches(pattern: str, fqn: str) -> bool:
     return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
 
 
-def _generalize(fqn: str) -> str:
+def generalize(fqn: str) -> str:
+    """The FQN with every list index as ``*`` (a plan's pattern for all the layers).
+
+    >>> generalize("layers.11.attention.w1")
+    'layers.*.attention.w1'
+    """
     return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
 
 
@@ -147,7 +152,7 @@ def mounts(plan_like, module: nn.Module) -> tuple:
         hits = [fqn for fqn in modules if _matches(pattern, fqn)]
         if not hits:
             names = [f for f in modules if f]
-            shapes = sorted({_generalize(f) for f in names})
+            shapes = sorted({generalize(f) for f in names})
             close = difflib.get_close_matches(pattern, shapes if "*" in pattern else names, n=3)
             listed = names if len(names) <= 8 else shapes
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else \

@@ -14,7 +14,6 @@ collective really moved; they are sympy expressions where sizes were given as sy
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import attrs
@@ -22,10 +21,10 @@ import sympy
 
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
 from tpfn.layout import Placement, Replicate, Shard
+from tpfn.plan import generalize
 from tpfn.style import Style
 
-__all__ = ["Comm", "Param", "Transition", "Row", "Megatron", "Report", "fmt_bytes", "generalize",
-           "summary"]
+__all__ = ["Comm", "Param", "Transition", "Row", "Megatron", "Report", "fmt_bytes", "summary"]
 
 # The one-step program whose ring cost is each kind's: sizes are of the whole tensor.
 _STEPS = {
@@ -74,15 +73,6 @@ def _exact(n) -> str:
     if n.free_symbols:
         return str(n)
     return f"{int(n):,} B ({fmt_bytes(n)})" if n.is_integer and n >= 1024 else fmt_bytes(n)
-
-
-def generalize(fqn: str) -> str:
-    """The FQN with every list index as ``*``.
-
-    >>> generalize("layers.11.attention.w1")
-    'layers.*.attention.w1'
-    """
-    return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
 
 
 def _ranks(a, b) -> str:

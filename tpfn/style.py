@@ -175,9 +175,6 @@ class Outputs:
         return f"prepare_out({', '.join(args)})"
 
 
-CORES = ("colwise", "rowwise", "sequence_parallel")
-
-
 @attrs.frozen(repr=False)
 class Core:
     """Stage: how the module itself is sharded: ``colwise``, ``rowwise`` or ``sequence_parallel``."""
