@@ -31,6 +31,7 @@ def test_nesting_and_merging():
         "layers.*.mlp.w1": colwise(), "layers.*.mlp.w2": rowwise()})
     assert (mlp | {"w1": colwise(), "w3": colwise()}) == plan({
         "w1": colwise(), "w2": rowwise(), "w3": colwise()})
+    assert ({"w3": colwise()} | mlp) == plan({"w1": colwise(), "w2": rowwise(), "w3": colwise()})
     with pytest.raises(PlanError) as info:
         mlp | plan({"w1": rowwise()})
     assert info.value.problems == ["'w1' is bound to colwise() and to rowwise()"]

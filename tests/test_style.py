@@ -220,6 +220,9 @@ def test_params_and_replicate_place_parameters():
     (lambda: colwise() >> prepare_out(Shard(0), given=Replicate()), StyleError,
      "output 0: one stage delivers Shard(dim=-1) and the next declares it arrives as "
      "Replicate(); make the declarations agree (or leave given=None)."),
+    (lambda: colwise(parts=2) >> prepare_out(Replicate(), given=Shard(1)), StyleError,  # packed != plain
+     "output 0: one stage delivers Shard(dim=-1, parts=2) and the next declares it arrives as "
+     "Shard(dim=1); make the declarations agree (or leave given=None)."),
     (lambda: params(w=Shard(0)) >> params(w=Shard(1)), StyleError,
      "parameter 'w' is placed twice: Shard(dim=0) and Shard(dim=1); keep one."),
     (lambda: prepare_in("S1"), TypeError,

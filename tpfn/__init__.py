@@ -4,7 +4,7 @@ Layouts (``Shard``, ``Replicate``, ``Partial``), styles composed with ``>>``, pl
 module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
-from tpfn import algebra, checkpoint, rng, trace
+from tpfn import algebra, checkpoint, record, rng, trace
 from tpfn.dryrun import explain
 from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
@@ -39,5 +39,5 @@ __all__ = [
     "from_hf",
     "explain", "Report",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
-    "algebra", "checkpoint", "rng", "trace",
+    "algebra", "checkpoint", "record", "rng", "trace",
 ]

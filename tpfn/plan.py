@@ -92,6 +92,10 @@ class Plan:
         """Both plans' rules; a pattern bound to two different styles is an error."""
         return Plan(_merge(self.rules + as_plan(other).rules))
 
+    def __ror__(self, other) -> "Plan":
+        """``{pattern: style} | plan(...)``: the dict's rules, then the plan's."""
+        return Plan(_merge(as_plan(other).rules + self.rules))
+
     def under(self, prefix: str) -> "Plan":
         """This plan nested under ``prefix``: ``plan({"w1": s}).under("mlp") == plan({"mlp.w1": s})``."""
         return plan({_check_pattern(prefix): self})

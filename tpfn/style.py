@@ -73,7 +73,8 @@ def _shard_compatible(a, b) -> bool:
     """Equal, or shards whose dims may coincide once the tensor's ndim is known."""
     if a == b:
         return True
-    return isinstance(a, Shard) and isinstance(b, Shard) and (a.dim < 0) != (b.dim < 0)
+    return (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
+            and (a.dim < 0) != (b.dim < 0))
 
 
 @attrs.frozen
