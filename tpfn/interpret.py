@@ -24,7 +24,7 @@ from tpfn.fns import (
 from tpfn.grads import reduce_partial_grads
 from tpfn.layout import Partial, from_torch
 from tpfn.local import (
-    dropout_slice, local_params, move, placements, vocab_mask,
+    dropout_slice, local_params, move, param_slots, placements, vocab_mask,
 )
 from tpfn.plan import mounts
 from tpfn.rng import sharded
@@ -134,7 +134,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 reduce_partial_grads.watch(sub.get_parameter(name))
         if m.kernel is not None:
-            hooks = _LocalHooks(m, mesh)
+            hooks = _LocalHooks(m, mesh, sub)
             sub.register_forward_pre_hook(hooks.enter, with_kwargs=True)
             sub.register_forward_hook(hooks.leave, always_call=True)
         else:
@@ -166,8 +166,9 @@ class _LocalHooks:
     parameters back (also when the forward raised) and moves the output to the wanted layout.
     """
 
-    def __init__(self, mount, mesh):
+    def __init__(self, mount, mesh, module):
         self.mount, self.mesh, self.kernel = mount, mesh, mount.kernel
+        self.slots = param_slots(module)
         spec = mount.inputs
         computed = {i for i, (wanted, _) in enumerate(self.kernel.inputs) if wanted is not None}
         rest = tuple(Slot() if i in computed else s for i, s in enumerate(spec.slots))
@@ -207,7 +208,7 @@ class _LocalHooks:
                     holder[key], mask = vocab_mask(holder[key], module, self.mesh)
         if self.prepare_others:
             args, kwargs = prepare_inputs(tuple(args), kwargs, self.others, self.mesh)
-        views = local_params(module, kernel, self.mesh)
+        views = local_params(self.slots, kernel, self.mesh)
         random = contextlib.ExitStack()
         if kernel.random == "slice" and module.training and module.p > 0:
             dim = placements(kernel.output, first.ndim)[0].dim

@@ -37,6 +37,7 @@ from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 
 __all__ = [
     "Kernel", "kernel_for", "on_shards_kernel", "move", "placements", "failed", "local_params",
+    "param_slots",
     "vocab_mask", "dropout_slice",
 ]
 
@@ -242,22 +243,31 @@ class _View(torch.autograd.Function):
         return DTensor(grad.contiguous(), ctx.spec, requires_grad=False), None
 
 
-def local_params(module: nn.Module, kernel: Kernel, mesh) -> list:
-    """The local views the module computes with: ``(owner, name, view)`` for every DTensor
-    parameter of the module and its submodules (a tied parameter gets one view)."""
-    grads = dict(kernel.grads)
+def param_slots(module: nn.Module) -> tuple:
+    """``(owner, name, full name)`` of every parameter of the module and its submodules, a
+    tied parameter's slots under its first name."""
     names = {id(p): n for n, p in module.named_parameters()}
+    return tuple((owner, name, names[id(p)])
+                 for _, owner in module.named_modules(remove_duplicate=False)
+                 for name, p in owner._parameters.items() if p is not None)
+
+
+def local_params(slots: tuple, kernel: Kernel, mesh) -> list:
+    """The local views the module computes with: ``(owner, name, view)`` for every DTensor
+    parameter in ``slots`` (``param_slots``); a tied parameter gets one view."""
+    grads = dict(kernel.grads)
     made, views = {}, []
-    for prefix, owner in module.named_modules(remove_duplicate=False):
-        for name, param in owner._parameters.items():
-            if not isinstance(param, DTensor):
-                continue
-            view = made.get(id(param))
-            if view is None:
-                view = made[id(param)] = _view(param, grads.get(names[id(param)]))
-                if kernel.partial_bias and not prefix and name == "bias" and mesh.size() > 1:
-                    view = made[id(param)] = _PartialBias.apply(view, mesh.size())
-            views.append((owner, name, view))
+    for owner, name, full in slots:
+        param = owner._parameters[name]
+        if not isinstance(param, DTensor):
+            continue
+        view = made.get(id(param))
+        if view is None:
+            view = _view(param, grads.get(full))
+            if kernel.partial_bias and full == "bias" and mesh.size() > 1:
+                view = _PartialBias.apply(view, mesh.size())
+            made[id(param)] = view
+        views.append((owner, name, view))
     return views
 
 
