@@ -150,12 +150,9 @@ class _Move(torch.autograd.Function):
         return moved, None, None, None
 
 
-def _build_specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
-    """(forward specs, backward specs) of a move, each None where nothing moves.
-
-    Everything here is torch placements: tpfn's layout values are only read, never made,
-    on the way of a forward (torch.compile traces it).
-    """
+@functools.lru_cache(maxsize=4096)
+def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
+    """(forward specs, backward specs) of a move, each None where nothing moves."""
     if mesh.size() == 1:  # one rank: every layout is the whole tensor
         return None, None
     ndim = len(global_shape)
@@ -167,9 +164,6 @@ def _build_specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
     backward = None if back is None or back == target else (
         _spec(mesh, back, global_shape, dtype), _spec(mesh, target, global_shape, dtype))
     return forward, backward
-
-
-_specs = functools.lru_cache(maxsize=4096)(_build_specs)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -272,10 +266,11 @@ def local_params(slots: tuple, kernel: Kernel, mesh) -> list:
 
 
 def _view(param: DTensor, grad):
+    grads = None if grad is None else to_torch(grad)
     if torch.compiler.is_compiling():
-        return param.to_local(grad_placements=None if grad is None else to_torch(grad))
+        return param.to_local(grad_placements=grads)
     if param.requires_grad and torch.is_grad_enabled():
-        return _View.apply(param, _grad_spec(param._spec, None if grad is None else to_torch(grad)))
+        return _View.apply(param, _grad_spec(param._spec, grads))
     return param._local_tensor
 
 

@@ -221,7 +221,7 @@ class OnShards:
         args = [repr(w) for w in self.wants]
         uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
         if self.grads != self.wants:
-            broadcast = uniform not in ({None}, set()) and len(uniform) == 1 and self.grads == tuple(
+            broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
                 None if w is None else next(iter(uniform)) for w in self.wants)
             args.append(f"grads={next(iter(uniform))!r}" if broadcast else f"grads={self.grads!r}")
         if self.output is not None:
