@@ -4,6 +4,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -93,19 +94,19 @@ def _interrupted(path):
     checkpoint.save(path, model, opt)
     first = _full_state(model, opt)
     _train(model, opt, 1, seed=2)
-    real_save = checkpoint.dcp.save
+    real_save = dcp.save
 
     def crash(state, checkpoint_id):
         real_save({"model": state["model"]}, checkpoint_id=checkpoint_id)  # half written
         raise KeyboardInterrupt("killed while writing")
 
-    checkpoint.dcp.save = crash
+    dcp.save = crash
     try:
         checkpoint.save(path, model, opt)
     except KeyboardInterrupt:
         pass
     finally:
-        checkpoint.dcp.save = real_save
+        dcp.save = real_save
     dist.barrier()
     fresh = _model(2)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard as TShard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import tpfn
+import tpfn.interpret.prepare
 from tests.models import transformer, transformer_plan
 from tests.ranks import mesh
 from tpfn import (
@@ -351,7 +352,7 @@ def _atomicity():
     model = Pair()
     before = _snapshot(model)
     calls = []
-    real = tpfn.fns.distribute_tensor
+    real = tpfn.interpret.prepare.distribute_tensor
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -359,13 +360,13 @@ def _atomicity():
             raise RuntimeError("the network went away")
         return real(*args, **kwargs)
 
-    tpfn.fns.distribute_tensor = flaky
+    tpfn.interpret.prepare.distribute_tensor = flaky
     try:
         tpfn.parallelize(model, m, {"a": colwise(), "b": rowwise()})
     except RuntimeError:
         results["sharding interrupted"] = _unchanged(model, before)
     finally:
-        tpfn.fns.distribute_tensor = real
+        tpfn.interpret.prepare.distribute_tensor = real
     return results
 
 

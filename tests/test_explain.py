@@ -22,7 +22,7 @@ from tpfn import Partial, PlanError, Replicate, Shard, colwise, prepare_in, prep
 from tpfn.algebra import AllGather, AllReduce
 from tpfn.dryrun import fake_mesh
 from tpfn.record import record
-from tpfn.report import Comm, Param, Transition
+from tpfn.dryrun.report import Comm, Param, Transition
 
 WORLD_SIZES = (2, 4, 8, 16, 32, 64)
 b, s, t = sympy.symbols("b s t", positive=True, integer=True)

@@ -12,8 +12,8 @@ from tpfn import (
     LayoutError, Replicate, Shard, colwise, prepare_in, prepare_inputs, prepare_out, prepare_outputs,
     shard_params,
 )
-from tpfn.bind import InputSpec, OutputSpec
-from tpfn.style import Slot
+from tpfn.style.stages import Inputs, Outputs
+from tpfn.style.slot import Slot
 
 
 def _pure():
@@ -36,15 +36,16 @@ def _pure():
 
     x = torch.arange(8.0).reshape(2, 4)
     args, kwargs = [x, "keep"], {"y": x}
-    spec = InputSpec(slots=(Slot(Shard(0), Replicate()),), kwargs=(("y", Slot(Replicate())),),
+    spec = Inputs(slots=(Slot(Shard(0), Replicate()),), kwargs=(("y", Slot(Replicate())),),
                      local=True)
     new_args, new_kwargs = prepare_inputs(tuple(args), kwargs, spec, m)
     assert args == [x, "keep"] and kwargs == {"y": x}
     assert new_args[1] == "keep" and new_args[0].shape == (4, 4)
-    assert isinstance(new_kwargs["y"], torch.Tensor) and new_kwargs["y"] is not kwargs["y"]
+    # a replicated local tensor that stays replicated moves nothing: the same tensor, in a new dict
+    assert isinstance(new_kwargs["y"], torch.Tensor) and new_kwargs is not kwargs
 
     outputs = [x, x]
-    out = prepare_outputs(outputs, OutputSpec(slots=(Slot(Replicate(), Shard(1)),), local=False), m)
+    out = prepare_outputs(outputs, Outputs(slots=(Slot(Replicate(), Shard(1)),), local=False), m)
     assert outputs == [x, x] and out is not outputs
     assert isinstance(out[0], DTensor) and out[0].placements == (TShard(1),) and out[1] is x
     return True

@@ -21,7 +21,7 @@ from tpfn import (
     Partial, PlanError, Replicate, Shard, colwise, from_hf, on_shards, params,
     prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
 )
-from tpfn.hf import KNOWN
+from tpfn.adapters.from_hf import KNOWN
 
 TOL = 1e-5
 # How often a backward may reduce the partial gradients of replicated parameters (the

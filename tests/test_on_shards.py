@@ -14,7 +14,7 @@ from tpfn import (
     Partial, Replicate, Shard, colwise, on_shards, params, prepare_in, prepare_out, replicate,
     rowwise,
 )
-from tpfn.bind import bind
+from tpfn.plans.mount import mount
 
 TOL = 1e-5
 
@@ -32,11 +32,11 @@ def test_on_shards_is_a_core_that_states_its_layouts():
         def forward(self, x, index):
             return x
 
-    m = bind(style, M())
+    m = mount(style, M())
     assert m.kernel.inputs == ((Replicate(), Partial()), (None, None))
     assert m.kernel.output == Partial() and m.inputs.local is True
     assert m.outputs.slots[0].given == Partial() and m.outputs.slots[0].desired == Replicate()
-    assert bind(colwise(parts=2), nn.Linear(2, 8)).params == (
+    assert mount(colwise(parts=2), nn.Linear(2, 8)).params == (
         ("bias", Shard(0, parts=2)), ("weight", Shard(0, parts=2)))
     assert repr(colwise(parts=2)) == "colwise(parts=2)"
 
@@ -162,7 +162,7 @@ def test_a_replicated_norm_on_local_heads_sums_its_partial_gradients(ranks2):
 
 
 def test_prepare_in_before_on_shards_folds_into_its_slot():
-    m = bind(prepare_in(Shard(0)) >> on_shards(Replicate(), grads=Partial()), nn.Identity())
+    m = mount(prepare_in(Shard(0)) >> on_shards(Replicate(), grads=Partial()), nn.Identity())
     assert m.inputs.slots[0].given == Shard(0) and m.inputs.slots[0].desired == Replicate()
 
 

@@ -5,18 +5,16 @@ module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
 from tpfn import algebra, checkpoint, record, rng, trace
-from tpfn.dryrun import explain
+from tpfn.adapters.from_hf import from_hf
+from tpfn.adapters.from_torch import from_torch
+from tpfn.dryrun.explain import explain
+from tpfn.dryrun.report import Report
 from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
-from tpfn.fns import prepare_inputs, prepare_outputs, shard_params
-from tpfn.grads import clip_grad_norm_
-from tpfn.hf import from_hf
-from tpfn.interpret import mounted, parallelize
+from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.interpret.prepare import prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import Partial, Replicate, Shard, to_torch
-from tpfn.loss import cross_entropy
-from tpfn.plan import Plan, plan, resolve
-from tpfn.report import Report
-from tpfn.style import (
-    Style,
+from tpfn.plans.plan import Plan, plan, resolve
+from tpfn.style.constructors import (
     colwise,
     identity,
     on_shards,
@@ -27,7 +25,9 @@ from tpfn.style import (
     rowwise,
     sequence_parallel,
 )
-from tpfn.torch_styles import from_torch
+from tpfn.style.style import Style
+from tpfn.training.clip import clip_grad_norm_
+from tpfn.training.loss import cross_entropy
 
 __all__ = [
     "Shard", "Replicate", "Partial", "to_torch", "from_torch",

@@ -44,6 +44,7 @@ __all__ = [
     "local_shape",
     "comm_bytes",
     "check_layout",
+    "contiguous_strides",
 ]
 
 
@@ -358,3 +359,16 @@ def comm_bytes(steps, global_shape, mesh_shape, itemsize) -> sympy.Expr:
         divisor = sympy.Mul(*(sympy.sympify(mesh_shape[j]) for j in step.sharded_by))
         total += _RING[step.collective](n) * numel / divisor * itemsize
     return sympy.factor(total) if total.free_symbols else total
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``.
+
+    >>> contiguous_strides((2, 3, 4))
+    (12, 4, 1)
+    """
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -14,25 +14,24 @@ plan({'layers.*.attention.wo': rowwise(), 'layers.*.attention.wq': colwise()})
 ...     "output": colwise() >> prepare_out(Replicate())})
 True
 
-``resolve(plan, module)`` returns the bindings, one per bound module in module order,
-or raises one ``PlanError`` that lists every pattern matching nothing (with near misses),
-every module bound to two styles and every style its module cannot take.
+``resolve(plan, module)`` returns what ``parallelize`` mounts, a ``Mount`` per bound module
+in module order, or raises one ``PlanError`` that lists every pattern matching nothing (with
+near misses), every module bound to two styles and every style its module cannot take.
 """
 
 from __future__ import annotations
 
 import difflib
-import re
-from fnmatch import fnmatchcase
 
 import attrs
 import torch.nn as nn
 
-from tpfn.bind import describe, fold
+from tpfn._fqn import describe, generalize, join, matches
 from tpfn.errors import PlanError
-from tpfn.style import Style
+from tpfn.plans.mount import try_mount
+from tpfn.style.style import Style
 
-__all__ = ["Plan", "Binding", "plan", "as_plan", "resolve", "mounts", "generalize"]
+__all__ = ["Plan", "plan", "as_plan", "resolve"]
 
 
 def _check_pattern(pattern) -> str:
@@ -46,10 +45,6 @@ def _check_pattern(pattern) -> str:
     return pattern
 
 
-def _join(prefix: str, pattern: str) -> str:
-    return ".".join(p for p in (prefix, pattern) if p)
-
-
 def _flatten(mapping, prefix: str = "") -> list:
     if isinstance(mapping, Plan):
         mapping = dict(mapping.rules)
@@ -57,7 +52,7 @@ def _flatten(mapping, prefix: str = "") -> list:
         raise TypeError(f"a plan is built from a dict of pattern -> style (got {mapping!r}).")
     out = []
     for pattern, value in mapping.items():
-        key = _join(prefix, _check_pattern(pattern))
+        key = join(prefix, _check_pattern(pattern))
         if isinstance(value, (dict, Plan)):
             out.extend(_flatten(value, key))
         elif isinstance(value, Style):
@@ -122,38 +117,14 @@ def as_plan(value) -> Plan:
     return plan(value)
 
 
-@attrs.frozen
-class Binding:
-    """One module bound to one style."""
-
-    fqn: str
-    style: Style
-
-
-def _matches(pattern: str, fqn: str) -> bool:
-    if not pattern:
-        return not fqn
-    parts, names = pattern.split("."), fqn.split(".") if fqn else []
-    return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
-
-
-def generalize(fqn: str) -> str:
-    """The FQN with every list index as ``*`` (a plan's pattern for all the layers).
-
-    >>> generalize("layers.11.attention.w1")
-    'layers.*.attention.w1'
-    """
-    return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
-
-
-def mounts(plan_like, module: nn.Module) -> tuple:
-    """The ``Mount`` of every binding of a plan on ``module``, in module order (pure), or a
-    ``PlanError`` listing every problem."""
+def resolve(plan_like, module: nn.Module) -> tuple:
+    """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
+    one ``PlanError`` listing every problem."""
     rules = as_plan(plan_like).rules
     modules = dict(module.named_modules())
     found, bound = [], {}
     for pattern, style in rules:
-        hits = [fqn for fqn in modules if _matches(pattern, fqn)]
+        hits = [fqn for fqn in modules if matches(pattern, fqn)]
         if not hits:
             names = [f for f in modules if f]
             shapes = sorted({generalize(f) for f in names})
@@ -173,7 +144,9 @@ def mounts(plan_like, module: nn.Module) -> tuple:
             found.append(f"{describe(modules[fqn], fqn)} is bound to {len(styles)} styles ({by}); "
                          "bind it once, e.g. by combining them with >> or narrowing a pattern.")
             continue
-        mount = fold(styles[0], modules[fqn], fqn)
+        below = [f[len(fqn) + 1:] if fqn else f for f in bound if f != fqn and (
+            not fqn or f.startswith(fqn + "."))]
+        mount = try_mount(styles[0], modules[fqn], fqn, below)
         if isinstance(mount, list):
             found.extend(mount)
         else:
@@ -182,7 +155,3 @@ def mounts(plan_like, module: nn.Module) -> tuple:
         raise PlanError(found)
     return tuple(folded)
 
-
-def resolve(plan_like, module: nn.Module) -> tuple:
-    """The bindings of a plan on ``module`` (pure), or a ``PlanError`` listing every problem."""
-    return tuple(Binding(m.fqn, m.style) for m in mounts(plan_like, module))

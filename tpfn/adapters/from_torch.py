@@ -37,9 +37,10 @@ from torch.distributed.tensor.parallel import (
 from tpfn import layout
 from tpfn.errors import PlanError
 from tpfn.layout import Replicate, Shard
-from tpfn.plan import Plan, plan
-from tpfn.style import (
-    Style, colwise, identity, prepare_in, prepare_out, rowwise, sequence_parallel,
+from tpfn.plans.plan import Plan, plan
+from tpfn.style.style import Style
+from tpfn.style.constructors import (
+    colwise, identity, prepare_in, prepare_out, rowwise, sequence_parallel,
 )
 
 __all__ = ["from_torch", "style_from_torch", "plan_from_torch"]

@@ -18,7 +18,7 @@ from html import escape
 import sympy
 
 from tpfn.layout import Partial, Replicate, Shard
-from tpfn.report import Report, fmt_bytes, summary
+from tpfn.dryrun.units import fmt_bytes, summary
 
 __all__ = ["html"]
 
@@ -46,7 +46,7 @@ def _badge(placement) -> str:
     return f'<span class="badge {kind}">{escape(text)}</span>'
 
 
-def _node(report: Report, fqn: str, rows: dict, children: dict, traffic: dict, total) -> str:
+def _node(report, fqn: str, rows: dict, children: dict, traffic: dict, total) -> str:
     row = rows[fqn]
     own, within = report.moved(fqn), report.moved(fqn, within=True)
     bar = ""
@@ -72,7 +72,7 @@ def _node(report: Report, fqn: str, rows: dict, children: dict, traffic: dict, t
     return f"<details{opened}>{head}{body}{kids}</details>"
 
 
-def html(report: Report) -> str:
+def html(report) -> str:
     """The page of ``report``: totals, lints and the module tree."""
     rows = {r.fqn: r for r in report.rows}
     children: dict = {}

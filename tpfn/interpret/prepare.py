@@ -10,28 +10,31 @@ None of them mutates its arguments; ``parallelize`` mounts them on modules.
 - ``prepare_outputs(outputs, spec, mesh)``: the same for a module's outputs (a tensor, the
   items of a tuple or list, the values of a dict), with a ``prepare_out(...)`` style.
 
-A local tensor that leaves a slot sharded remembers its global shape (``tpfn.shapes``), so
-a sequence the mesh does not divide keeps its length when the next module annotates it
-again (PyTorch infers an even split there, torchtitan#1306).
+Every slot of every mounted module goes through one function, ``convert``: a DTensor is
+checked and redistributed by DTensor; a local tensor is moved by ``tpfn.interpret.moves``
+when a local tensor is handed on (the fast path), else annotated and redistributed by
+DTensor. A local tensor that leaves a slot sharded remembers its global shape
+(``tpfn.interpret.state``), so a sequence the mesh does not divide keeps its length when the
+next module annotates it again (PyTorch infers an even split there, torchtitan#1306).
 """
 
 from __future__ import annotations
 
-import functools
-
-import attrs
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpfn.bind import bind
+from tpfn._torch import keep_mesh
+from tpfn.algebra import contiguous_strides, cotangent
 from tpfn.errors import LayoutError
+from tpfn.interpret.moves import failed, move, placements
+from tpfn.interpret.state import Shapes
 from tpfn.layout import Shard, from_torch, to_torch
-from tpfn.local import failed, placements
-from tpfn.shapes import SHAPES, contiguous_strides
-from tpfn.style import Inputs, Outputs, Style
+from tpfn.style.stages import Inputs, Outputs
+from tpfn.style.style import Style
 
-__all__ = ["shard_params", "prepare_inputs", "prepare_outputs"]
+__all__ = ["shard_params", "prepare_inputs", "prepare_outputs", "convert", "checked",
+           "not_a_tensor", "unpackable"]
 
 
 def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 0) -> dict:
@@ -47,17 +50,17 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
         problem = unpackable(name, param.shape, layout, mesh.size())
         if problem:
             raise LayoutError(problem)
-        placements = to_torch(layout)
+        wanted = to_torch(layout)
         if isinstance(param, DTensor):
-            if param.device_mesh != mesh or param.placements != placements:
+            if param.device_mesh != mesh or param.placements != wanted:
                 raise LayoutError(
                     f"parameter {name!r} is already a DTensor laid out {from_torch(param.placements)} "
                     f"on {param.device_mesh}; it cannot also be {layout!r} on {mesh}."
                 )
             out[name] = param
             continue
-        dt = distribute_tensor(param, mesh, placements, src_data_rank=src_rank)
-        out[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+        dt = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank)
+        out[name] = keep_mesh(nn.Parameter(dt, requires_grad=param.requires_grad), mesh)
     return out
 
 
@@ -116,54 +119,67 @@ def not_a_tensor(x, slot, what: str) -> TypeError:
                      "mark it None to leave it alone.")
 
 
-def _convert(x, slot, mesh, local: bool, what: str):
-    """One input or output through its slot."""
+def global_shape(x, slot, mesh, shapes: Shapes) -> tuple:
+    """The global shape of an input or output arriving at ``slot``."""
+    if isinstance(x, DTensor):
+        return tuple(x.shape)
+    return shapes.recall(x, placements(slot.given or slot.desired, x.ndim), mesh)
+
+
+def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
+            shape=None):
+    """One input or output through its slot: a local tensor (``local``) or a DTensor in the
+    slot's layout. A local tensor handed on gets its gradient back in ``grad`` (None: it
+    needs none); ``shape`` is the global shape where the caller knows it better."""
     if x is None or slot.untouched:
         return x
+    src = slot.given if slot.given is not None else slot.desired
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
-        current = dt.placements
-    elif isinstance(x, torch.Tensor):
-        current = placements(slot.given if slot.given is not None else slot.desired, x.ndim)
-        shape = SHAPES.recall(x, current, mesh)
-        dt = DTensor.from_local(x, mesh, current, run_check=False,
-                                shape=shape, stride=contiguous_strides(shape))
-    else:
+    elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
+    else:
+        shape = tuple(shape or global_shape(x, slot, mesh, shapes))
+        if local:  # the fast path: local tensors all the way
+            out = move(x, src, slot.out, grad, mesh, shape, what, cache)
+            shapes.remember(out, placements(slot.out, out.ndim), shape, mesh)
+            return out
+        dt = DTensor.from_local(x, mesh, placements(src, x.ndim), run_check=False,
+                                shape=shape, stride=contiguous_strides(shape))
     if slot.desired is not None:
-        wanted = placements(slot.desired, x.ndim)
-        if wanted != current:
+        wanted, current = placements(slot.desired, x.ndim), dt.placements
+        if wanted != current:  # a no-op redistribute would reduce partial gradients
             try:
                 dt = dt.redistribute(mesh, wanted)
             except RuntimeError as error:
                 raise failed(what, from_torch(current), from_torch(wanted), error) from error
     if not local:
         return dt
-    out = dt.to_local()
-    SHAPES.remember(out, dt.placements, dt.shape, dt.device_mesh)
+    out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))
+    shapes.remember(out, dt.placements, dt.shape, mesh)
     return out
 
 
-class _Anything(nn.Module):
-    def forward(self, *args, **kwargs):
-        return args, kwargs
-
-
-@functools.lru_cache(maxsize=256)
-def _spec_of(style: Style, side: str):
-    kind, name = (Inputs, "prepare_in") if side == "inputs" else (Outputs, "prepare_out")
-    if not all(isinstance(s, kind) for s in style.stages):
+def _spec(spec, kind, name: str, side: str):
+    if isinstance(spec, Style):
+        if not all(isinstance(s, kind) for s in spec.stages):
+            raise TypeError(f"prepare_{side}: 'spec' must be a {name}(...) style or the spec a "
+                            f"mounted module holds (got {spec!r}).")
+        return getattr(spec.normal, side)
+    if not isinstance(spec, kind):
         raise TypeError(f"prepare_{side}: 'spec' must be a {name}(...) style or the spec a "
-                        f"mounted module holds (got {style!r}).")
-    mount = bind(style, _Anything())
-    return attrs.evolve(mount.inputs if side == "inputs" else mount.outputs,
-                        where=f"prepare_{side}")
+                        f"mounted module holds (got {spec!r}).")
+    return spec
 
 
-def prepare_inputs(args: tuple, kwargs: dict, spec, mesh) -> tuple:
+def prepare_inputs(args: tuple, kwargs: dict, spec, mesh, *, names: tuple = (),
+                   where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
+                   cache: dict | None = None) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
 
-    ``spec``: a ``prepare_in(...)`` style, or the ``InputSpec`` of a mounted module.
+    ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
+    its forward's positional input names, for inputs passed by keyword; ``grads``: the layout
+    of each local input's gradient, by default its layout's cotangent).
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -172,27 +188,33 @@ def prepare_inputs(args: tuple, kwargs: dict, spec, mesh) -> tuple:
     >>> x.placements, x.shape
     ((Shard(dim=0),), torch.Size([2, 3]))
     """
-    if isinstance(spec, Style):
-        spec = _spec_of(spec, "inputs")
+    spec = _spec(spec, Inputs, "prepare_in", "inputs")
+    shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
+
+    def one(x, slot, grad, what):
+        return convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
+                       shapes=shapes, cache=cache)
+
     for i, slot in enumerate(spec.slots):
-        what = f"input {i} of {spec.where}"
+        what = f"input {i} of {where}"
+        grad = grads[i] if i < len(grads) else (None if slot.untouched else cotangent(slot.out)[0])
         if i < len(args):
-            args[i] = _convert(args[i], slot, mesh, spec.local, what)
-        elif i < len(spec.names) and spec.names[i] in kwargs:
-            name = spec.names[i]
-            kwargs[name] = _convert(kwargs[name], slot, mesh, spec.local, what)
+            args[i] = one(args[i], slot, grad, what)
+        elif i < len(names) and names[i] in kwargs:
+            kwargs[names[i]] = one(kwargs[names[i]], slot, grad, what)
     for name, slot in spec.kwargs:
         if name in kwargs:
-            kwargs[name] = _convert(kwargs[name], slot, mesh, spec.local,
-                                    f"keyword input {name!r} of {spec.where}")
+            kwargs[name] = one(kwargs[name], slot, cotangent(slot.out)[0],
+                               f"keyword input {name!r} of {where}")
     return tuple(args), kwargs
 
 
-def prepare_outputs(outputs, spec, mesh):
+def prepare_outputs(outputs, spec, mesh, *, where: str = "prepare_outputs",
+                    shapes: Shapes | None = None, cache: dict | None = None):
     """``outputs`` with every output that ``spec`` names converted (a new container).
 
-    ``spec``: a ``prepare_out(...)`` style, or the ``OutputSpec`` of a mounted module.
+    ``spec``: a ``prepare_out(...)`` style, or the ``Outputs`` of a mounted module.
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -202,35 +224,40 @@ def prepare_outputs(outputs, spec, mesh):
     >>> type(out).__name__, out.shape              # a local tensor, the partial sums summed
     ('Tensor', torch.Size([4, 2]))
     """
-    if isinstance(spec, Style):
-        spec = _spec_of(spec, "outputs")
+    spec = _spec(spec, Outputs, "prepare_out", "outputs")
+    shapes, cache = shapes or Shapes(), {} if cache is None else cache
+    local = True if spec.local is None else spec.local
+
+    def one(x, slot, what):
+        return convert(x, slot, mesh, local=local, grad=cotangent(slot.out)[0], what=what,
+                       shapes=shapes, cache=cache)
+
+    def check(n):
+        if len(spec.slots) > n:
+            raise LayoutError(f"{where} returned {n} outputs; the plan prepares "
+                              f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
+
     if isinstance(outputs, dict):
         out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)
         names = list(out)
-        if len(spec.slots) > len(names):
-            raise LayoutError(f"{spec.where} returned {len(names)} outputs; the plan prepares "
-                              f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
+        check(len(names))
         for i, slot in enumerate(spec.slots):
-            out[names[i]] = _convert(out[names[i]], slot, mesh, spec.local, f"output {i} of {spec.where}")
+            out[names[i]] = one(out[names[i]], slot, f"output {i} of {where}")
         for key, slot in spec.keys:
             if key in out:
-                out[key] = _convert(out[key], slot, mesh, spec.local,
-                                    f"output {key!r} of {spec.where}")
+                out[key] = one(out[key], slot, f"output {key!r} of {where}")
         return out
     if isinstance(outputs, (tuple, list)):
-        if len(spec.slots) > len(outputs):
-            raise LayoutError(f"{spec.where} returned {len(outputs)} outputs; the plan prepares "
-                              f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
+        check(len(outputs))
         items = list(outputs)
         for i, slot in enumerate(spec.slots):
-            items[i] = _convert(items[i], slot, mesh, spec.local, f"output {i} of {spec.where}")
+            items[i] = one(items[i], slot, f"output {i} of {where}")
         if isinstance(outputs, list):
             return items
         return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
     if len(spec.slots) > 1:
-        raise LayoutError(f"{spec.where} returned one output; the plan prepares {len(spec.slots)}: "
+        raise LayoutError(f"{where} returned one output; the plan prepares {len(spec.slots)}: "
                           "give prepare_out one layout.")
     if not spec.slots:
         return outputs
-    return _convert(outputs, spec.slots[0], mesh, spec.local, f"the output of {spec.where}")
-
+    return one(outputs, spec.slots[0], f"the output of {where}")

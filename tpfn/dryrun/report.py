@@ -8,8 +8,6 @@ collective really moved; they are sympy expressions where sizes were given as sy
 >>> c = Comm("layers.0.w2", "forward", "all_reduce", numel=4096, group_size=4, itemsize=2)
 >>> c.bytes
 12288
->>> fmt_bytes(12288), fmt_bytes(3 * 2**30)
-('12.0 KiB', '3.0 GiB')
 """
 
 from __future__ import annotations
@@ -19,10 +17,12 @@ from collections import Counter
 import attrs
 import sympy
 
+from tpfn._fqn import generalize
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
+from tpfn.dryrun.html import html
+from tpfn.dryrun.units import fmt_bytes, summary
 from tpfn.layout import Placement, Replicate, Shard
-from tpfn.plan import generalize
-from tpfn.style import Style
+from tpfn.style.style import Style
 
 __all__ = ["Comm", "Param", "Transition", "Row", "Megatron", "Report", "fmt_bytes", "summary"]
 
@@ -47,24 +47,6 @@ def _number(x):
 def _total(values):
     total = sum(values, sympy.Integer(0))
     return sympy.factor(total) if total.free_symbols else total
-
-
-def fmt_bytes(n) -> str:
-    """Bytes for a person; a symbolic size as its formula.
-
-    >>> fmt_bytes(512), fmt_bytes(12288), fmt_bytes(sympy.Symbol("b") * 8)
-    ('512 B', '12.0 KiB', '8*b')
-    """
-    n = sympy.sympify(n)
-    if n.free_symbols:
-        return str(n)
-    value = float(n)
-    if abs(value) < 1024:
-        return f"{value:g} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
 
 
 def _exact(n) -> str:
@@ -295,9 +277,7 @@ class Report:
         }
 
     def to_html(self) -> str:
-        """A self-contained HTML page: the module tree, placements and bytes (``tpfn.picture``)."""
-        from tpfn.picture import html
-
+        """A self-contained HTML page: the module tree, placements and bytes (``tpfn.dryrun.html``)."""
         return html(self)
 
     def traffic(self) -> dict:
@@ -340,15 +320,6 @@ class Report:
 
     def __str__(self) -> str:
         return "\n".join(_table(self))
-
-
-def summary(kinds: dict) -> str:
-    """The collectives of one module and phase, ``{kind: (count, bytes)}``, for a person.
-
-    >>> summary({"all_reduce": (1, 28672), "all_gather": (2, 2**20)})
-    '1 all_reduce 28.0 KiB; 2 all_gather 1.0 MiB'
-    """
-    return "; ".join(f"{n} {k} {fmt_bytes(b)}" for k, (n, b) in kinds.items()) or "-"
 
 
 def _module_lines(row: Row, traffic: dict) -> list:

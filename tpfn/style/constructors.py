@@ -1,7 +1,4 @@
-"""Styles: frozen values that say how to parallelize one module, composed with ``>>``.
-
-A style is a flat tuple of *stages*; ``>>`` concatenates them, read left to right as data
-flow: inputs are prepared, the module computes, outputs are prepared.
+"""The style constructors: each returns a ``Style`` of one stage, composed with ``>>``.
 
 >>> colwise() >> prepare_out(Replicate())
 colwise() >> prepare_out(Replicate())
@@ -15,33 +12,17 @@ Each input or output *slot* carries ``given`` (the layout a tensor arrives in) a
 ``desired`` (the layout wanted after it). Composition folds a chain of slots into one,
 so a chain mounts as at most one redistribution per slot:
 ``rowwise() >> prepare_out(Shard(1))`` reduce-scatters the partial sums directly.
-
-Stages:
-
-- ``prepare_in(...)`` / ``prepare_out(...)``: slot layouts for inputs / outputs;
-- ``colwise()``, ``rowwise()``, ``sequence_parallel()``: the *core*, how the module itself
-  is sharded (parameters, the layout its computation takes and gives); ``on_shards(...)``
-  states the same for any module;
-- ``params(...)``, ``replicate()``: parameter placements for any module.
-
 Inputs come before the core, outputs after it, at most one core; ``params`` go anywhere.
 """
 
 from __future__ import annotations
 
-import attrs
-
-from tpfn.errors import StyleError
 from tpfn.layout import Partial, Replicate, Shard, is_placement
+from tpfn.style.slot import Slot, fold
+from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, flag, placement_or_none
+from tpfn.style.style import Style
 
 __all__ = [
-    "Style",
-    "Slot",
-    "Inputs",
-    "Outputs",
-    "Core",
-    "OnShards",
-    "Params",
     "colwise",
     "rowwise",
     "sequence_parallel",
@@ -54,291 +35,8 @@ __all__ = [
 ]
 
 
-def _placement_or_none(what: str, value):
-    if value is not None and not is_placement(value):
-        raise TypeError(
-            f"{what} must be a placement (Shard, Replicate, Partial) or None "
-            f"(got {value!r} that is a {type(value)!r})."
-        )
-    return value
-
-
-def _flag(what: str, value):
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{what} must be True, False or None (got {value!r} that is a {type(value)!r}).")
-    return value
-
-
-def _shard_compatible(a, b) -> bool:
-    """Equal, or shards whose dims may coincide once the tensor's ndim is known."""
-    if a == b:
-        return True
-    return (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
-            and (a.dim < 0) != (b.dim < 0))
-
-
-@attrs.frozen
-class Slot:
-    """One input or output: the layout it arrives in (``given``) and the one wanted (``desired``).
-
-    ``given=None`` accepts what arrives: a DTensor brings its own layout, a plain tensor is
-    taken to be in ``desired`` already. A slot with neither is left alone.
-    """
-
-    given: object = None
-    desired: object = None
-
-    def __attrs_post_init__(self):
-        if self.desired is not None and self.desired == self.given:
-            object.__setattr__(self, "desired", None)
-
-    @property
-    def out(self):
-        """The layout after this slot (None: untouched)."""
-        return self.given if self.desired is None else self.desired
-
-    @property
-    def untouched(self) -> bool:
-        return self.given is None and self.desired is None
-
-    def then(self, other: "Slot", where: str) -> "Slot":
-        """This slot followed by ``other``: one slot, so one redistribution."""
-        if self.untouched:
-            return other
-        if other.untouched:
-            return self
-        if other.given is not None and not _shard_compatible(self.out, other.given):
-            raise StyleError(
-                f"{where}: one stage delivers {self.out!r} and the next declares it arrives as "
-                f"{other.given!r}; make the declarations agree (or leave given=None)."
-            )
-        return Slot(self.given, other.out)
-
-
-def _fold(slots_a: tuple, slots_b: tuple, where: str) -> tuple:
-    n = max(len(slots_a), len(slots_b))
-    pad = lambda s: s + (Slot(),) * (n - len(s))  # noqa: E731
-    out = tuple(a.then(b, f"{where} {i}") for i, (a, b) in enumerate(zip(pad(slots_a), pad(slots_b))))
-    while out and out[-1].untouched:
-        out = out[:-1]
-    return out
-
-
-def _fold_named(a: tuple, b: tuple, where: str) -> tuple:
-    merged = dict(a)
-    for name, slot in b:
-        merged[name] = merged.get(name, Slot()).then(slot, f"{where} {name!r}")
-    return tuple(sorted((k, v) for k, v in merged.items() if not v.untouched))
-
-
-def _slots_repr(slots: tuple, main: str, other: str) -> list:
-    """Constructor arguments for slots: ``main`` layouts positionally, ``other`` by keyword."""
-    args = [repr(getattr(s, main)) for s in slots]
-    others = [getattr(s, other) for s in slots]
-    if any(o is not None for o in others):
-        args.append(f"{other}={others[0]!r}" if len(others) == 1 else f"{other}={tuple(others)!r}")
-    return args
-
-
-@attrs.frozen(repr=False)
-class Inputs:
-    """Stage: prepare positional and keyword inputs (see ``prepare_in``)."""
-
-    slots: tuple = ()
-    kwargs: tuple = ()
-    local: object = None
-
-    def __repr__(self):
-        args = _slots_repr(self.slots, "given", "desired")
-        if self.kwargs:
-            pairs = {k: (s.given, s.desired) for k, s in self.kwargs}
-            args.append(f"kwargs={pairs!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"prepare_in({', '.join(args)})"
-
-
-@attrs.frozen(repr=False)
-class Outputs:
-    """Stage: prepare positional or keyed outputs (see ``prepare_out``)."""
-
-    slots: tuple = ()
-    keys: tuple = ()
-    local: object = None
-
-    def __repr__(self):
-        args = _slots_repr(self.slots, "desired", "given")
-        if self.keys:
-            pairs = {k: (s.given, s.desired) for k, s in self.keys}
-            args.append(f"keys={pairs!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"prepare_out({', '.join(args)})"
-
-
-@attrs.frozen(repr=False)
-class Core:
-    """Stage: how the module itself is sharded: ``colwise``, ``rowwise`` or ``sequence_parallel``."""
-
-    kind: str
-    dim: int = 1
-    parts: int = 1
-    local: object = None
-
-    def __repr__(self):
-        args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
-        if self.parts != 1:
-            args.append(f"parts={self.parts}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"{self.kind}({', '.join(args)})"
-
-    @property
-    def outputs(self) -> tuple:
-        """The layout the core's computation gives (independent of the module kind)."""
-        return ({
-            "colwise": Slot(Shard(-1, self.parts)),
-            "rowwise": Slot(Partial(), Replicate()),
-            "sequence_parallel": Slot(Shard(self.dim)),
-        }[self.kind],)
-
-    @property
-    def default_local(self) -> bool:
-        return self.kind != "sequence_parallel"
-
-
-@attrs.frozen(repr=False)
-class OnShards:
-    """Stage: the module computes on local tensors in the layouts given (see ``on_shards``)."""
-
-    wants: tuple = ()
-    grads: tuple = ()
-    output: object = None
-    param_grads: tuple = ()
-    local: object = None
-
-    def __repr__(self):
-        args = [repr(w) for w in self.wants]
-        uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
-        if self.grads != self.wants:
-            broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
-                None if w is None else next(iter(uniform)) for w in self.wants)
-            args.append(f"grads={next(iter(uniform))!r}" if broadcast else f"grads={self.grads!r}")
-        if self.output is not None:
-            args.append(f"output={self.output!r}")
-        if self.param_grads:
-            args.append(f"param_grads={dict(self.param_grads)!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"on_shards({', '.join(args)})"
-
-    @property
-    def outputs(self) -> tuple:
-        return (Slot(self.output),) if self.output is not None else ()
-
-    default_local = True
-
-
-@attrs.frozen(repr=False)
-class Params:
-    """Stage: parameter placements by name (``rest`` places every other parameter)."""
-
-    rules: tuple = ()
-    rest: object = None
-
-    def __repr__(self):
-        if not self.rules and self.rest == Replicate():
-            return "replicate()"
-        rules = dict(self.rules)
-        if all(name.isidentifier() for name in rules):
-            return f"params({', '.join(f'{k}={v!r}' for k, v in rules.items())})"
-        return f"params(**{rules!r})"
-
-
-def _well_formed(instance, attribute, stages):
-    """Inputs before the core, outputs after it, at most one core, slot chains that agree."""
-    seen_core = seen_outputs = None
-    inputs, outputs, kwargs, keys = (), (), (), ()
-    names: dict = {}
-    for stage in stages:
-        if isinstance(stage, Inputs):
-            if seen_core or seen_outputs:
-                raise StyleError(
-                    f"{stage!r} comes after {seen_core or seen_outputs!r}: inputs are prepared before "
-                    f"the module computes; put it first, e.g. {stage!r} >> {seen_core or seen_outputs!r}."
-                )
-            inputs = _fold(inputs, stage.slots, "input")
-            kwargs = _fold_named(kwargs, stage.kwargs, "keyword input")
-        elif isinstance(stage, (Core, OnShards)):
-            if seen_core:
-                raise StyleError(
-                    f"{seen_core!r} >> {stage!r}: a style shards its module one way; bind "
-                    "each to its own module in a plan."
-                )
-            if seen_outputs:
-                raise StyleError(
-                    f"{seen_outputs!r} comes before {stage!r}: outputs are prepared after the "
-                    f"module computes; write {stage!r} >> {seen_outputs!r}."
-                )
-            seen_core = stage
-            outputs = _fold(outputs, stage.outputs, "output")
-        elif isinstance(stage, Outputs):
-            seen_outputs = seen_outputs or stage
-            outputs = _fold(outputs, stage.slots, "output")
-            keys = _fold_named(keys, stage.keys, "output")
-        elif isinstance(stage, Params):
-            for name, placement in stage.rules:
-                if names.get(name, placement) != placement:
-                    raise StyleError(
-                        f"parameter {name!r} is placed twice: {names[name]!r} and {placement!r}; "
-                        "keep one."
-                    )
-                names[name] = placement
-        else:
-            raise TypeError(f"not a style stage: {stage!r}")
-    rests = {s.rest for s in stages if isinstance(s, Params) and s.rest is not None}
-    if len(rests) > 1:
-        raise StyleError(f"every other parameter is placed twice: {sorted(map(repr, rests))}; keep one.")
-
-
-@attrs.frozen(repr=False)
-class Style:
-    """How to parallelize one module: stages composed left to right with ``>>``.
-
-    Equal by structure, hashable, and printed as the code that builds it.
-    """
-
-    stages: tuple = attrs.field(default=(), validator=_well_formed)
-
-    def then(self, other: "Style") -> "Style":
-        """This style followed by ``other`` in data flow (``self >> other``)."""
-        if not isinstance(other, Style):
-            raise TypeError(
-                f"`>>` composes styles (colwise(), prepare_in(...), ...); got {other!r} that is "
-                f"a {type(other)!r}."
-            )
-        return Style(self.stages + other.stages)
-
-    def __rshift__(self, other: "Style") -> "Style":
-        return self.then(other)
-
-    def __rrshift__(self, other):
-        raise TypeError(
-            f"`>>` composes styles (colwise(), prepare_in(...), ...); got {other!r} that is "
-            f"a {type(other)!r} on its left."
-        )
-
-    def __repr__(self):
-        return " >> ".join(map(repr, self.stages)) or "identity()"
-
-    @property
-    def core(self):
-        """The core stage (``Core`` or ``OnShards``), or None."""
-        return next((s for s in self.stages if isinstance(s, (Core, OnShards))), None)
-
-
 def _local(local):
-    return _flag("'local'", local)
+    return flag("'local'", local)
 
 
 def _parts(parts):
@@ -435,12 +133,16 @@ def on_shards(*wants, grads=None, output=None, param_grads=None, local: bool | N
     >>> replicate() >> on_shards(param_grads={"weight": Partial()})
     replicate() >> on_shards(param_grads={'weight': Partial()})
     """
-    wants = tuple(_placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
+    wants = tuple(placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
     if is_placement(grads):  # one layout for every input the module computes with
+        if not wants:
+            raise TypeError(f"on_shards: 'grads' has no inputs to apply to: give one layout per "
+                            f"input first (None: untouched), e.g. on_shards(Replicate(), "
+                            f"grads={grads!r}).")
         grads = tuple(None if w is None else grads for w in wants)
     grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants),
                                                    "on_shards(Replicate(), grads=Partial())")
-    output = _placement_or_none("on_shards: 'output'", output)
+    output = placement_or_none("on_shards: 'output'", output)
     rules = []
     for name, placement in (param_grads or {}).items():
         if not isinstance(name, str) or not is_placement(placement):
@@ -494,7 +196,7 @@ def _per_slot(what: str, value, n: int, example: str) -> tuple:
             raise TypeError(f"{what} has one layout for {n} slots: give a tuple of {n} (None: untouched).")
         return (value,)
     if isinstance(value, tuple) and len(value) == n:
-        return tuple(_placement_or_none(f"{what}[{i}]", v) for i, v in enumerate(value))
+        return tuple(placement_or_none(f"{what}[{i}]", v) for i, v in enumerate(value))
     raise TypeError(
         f"{what} must be a placement or a tuple of {n} placements/None "
         f"(got {value!r} that is a {type(value)!r})."
@@ -518,7 +220,7 @@ def _named_slots(what: str, mapping, lone: str) -> tuple:
             raise TypeError(
                 f"{what}[{name!r}] must be a placement or a (given, desired) pair (got {value!r})."
             )
-        given, desired = (_placement_or_none(f"{what}[{name!r}]", v) for v in value)
+        given, desired = (placement_or_none(f"{what}[{name!r}]", v) for v in value)
         out.append((name, Slot(given, desired)))
     return tuple(sorted((n, s) for n, s in out if not s.untouched))
 
@@ -538,11 +240,11 @@ def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> 
     >>> prepare_in(Shard(1), None, desired=(Replicate(), None), kwargs={"mask": Replicate()})
     prepare_in(Shard(dim=1), desired=Replicate(), kwargs={'mask': (Replicate(), None)})
     """
-    given = tuple(_placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
+    given = tuple(placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
     wanted = _per_slot("prepare_in: 'desired'", desired, len(given),
                        "prepare_in(None, desired=Replicate())")
     slots = tuple(Slot(g, d) for g, d in zip(given, wanted))
-    slots = _fold(slots, (), "input")
+    slots = fold(slots, (), "input")
     named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
     return Style((Inputs(slots, named, _local(local)),))
 
@@ -563,10 +265,10 @@ def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> S
     >>> prepare_out(Shard(0), given=Replicate())
     prepare_out(Shard(dim=0), given=Replicate())
     """
-    desired = tuple(_placement_or_none(f"prepare_out: output {i}", d) for i, d in enumerate(desired))
+    desired = tuple(placement_or_none(f"prepare_out: output {i}", d) for i, d in enumerate(desired))
     givens = _per_slot("prepare_out: 'given'", given, len(desired),
                        "prepare_out(None, given=Partial())")
-    slots = _fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
+    slots = fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
     named = _named_slots("prepare_out: 'keys'", keys, "desired")
     return Style((Outputs(slots, named, _local(local)),))
 

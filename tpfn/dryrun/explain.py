@@ -6,9 +6,9 @@ run is seen from rank 0. With example inputs it runs one forward and the backwar
 sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
 each collective. The user's module is never changed.
 
-The fake group is private: it is registered under its own name for the functional
-collectives and never becomes the default process group, so ``explain`` also runs inside
-a job (or a test rank) whose default group is already initialized.
+Each dry run makes its own fake mesh (``tpfn.dryrun.fake``) and unregisters its group at
+the end, so ``explain`` runs inside a job whose default group is initialized, and after the
+user's own ``init_process_group``/``destroy_process_group``.
 
 Sizes may be sympy symbols (batch, sequence, the mesh size). The dry run then runs three
 times with stand-in sizes ``v``, ``v*r`` and ``v*r**2`` (``r`` a distinct prime per symbol,
@@ -19,7 +19,6 @@ two runs and checks the fit against the third; a size that is no such product is
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -30,48 +29,18 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._C._distributed_c10d import (
-    FakeProcessGroup,
-    ProcessGroup,
-    _register_process_group,
-)
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn import lint
 from tpfn.algebra import local_shape, transition
+from tpfn.dryrun import lints as lint
+from tpfn.dryrun.collectives import record
+from tpfn.dryrun.fake import fake_meshes
+from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.errors import PlanError
-from tpfn.interpret import mounted, parallelize
+from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
-from tpfn.record import record
-from tpfn.report import Megatron, Param, Report, Row, Transition
 
-__all__ = ["explain", "fake_mesh"]
-
-
-@functools.cache
-def fake_mesh(world_size: int) -> DeviceMesh:
-    """A 1-D mesh of ``world_size`` fake ranks seen from rank 0, made once per size and kept.
-
-    Its process group is fake (collectives do nothing) and private: it never becomes the
-    default group. Meshes compare by ranks and dim names, not by process group, so DTensor's
-    caches would take a fake mesh for a real one of the same size: its dim name keeps them apart.
-
-    >>> from tpfn.dryrun import fake_mesh
-    >>> fake_mesh(8).size(), fake_mesh(8).mesh_dim_names
-    (8, ('tpfn-explain-8',))
-    """
-    name = f"tpfn-explain-{world_size}"
-    group = ProcessGroup(dist.HashStore(), 0, world_size)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
-                            FakeProcessGroup._create_internal(0, world_size))
-    group._set_group_name(name)
-    _register_process_group(name, group)
-    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
-                      _init_backend=False, _rank=0)
-    mesh._dim_group_names = [name]
-    mesh._pg_registry[name] = group
-    return mesh
+__all__ = ["explain"]
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -208,36 +177,14 @@ def _transitions(mount, seen, ran: bool) -> tuple:
 
 
 def _watch(module: nn.Module, seen: dict, block) -> None:
-    """Hooks (on the dry run's own copy) that note the layouts at each mounted module's slots
-    in ``seen[fqn]``, and the width and element size of ``block``'s input in ``seen[None]``."""
-    def inputs(fqn, mount):
-        def hook(m, args, kwargs):
-            if fqn in seen:
-                return
-            found = seen[fqn] = {}
-            for i, name in enumerate(mount.inputs.names or range(len(args))):
-                x = args[i] if i < len(args) else kwargs.get(name)
-                if _observe(x) is not None:
-                    found[f"input {i}"] = _observe(x)
-            for k, _ in mount.inputs.kwargs:
-                if _observe(kwargs.get(k)) is not None:
-                    found[f"input {k!r}"] = _observe(kwargs[k])
-        return hook
-
-    def outputs(fqn, mount):
-        def hook(m, args, out):
-            found = seen[fqn]
-            if any(label.startswith("output") for label in found):
-                return
-            items = list(out.values()) if isinstance(out, Mapping) else (
-                list(out) if isinstance(out, (tuple, list)) else [out])
-            for i, x in enumerate(items):
-                if _observe(x) is not None:
-                    found[f"output {i}"] = _observe(x)
-            for k, _ in mount.outputs.keys:
-                if isinstance(out, Mapping) and _observe(out.get(k)) is not None:
-                    found[f"output {k!r}"] = _observe(out[k])
-        return hook
+    """Note (on the dry run's own copy) the layouts at each mounted module's slots as they
+    arrive in ``seen[fqn]``, and the width and element size of ``block``'s input in
+    ``seen[None]``."""
+    def watcher(found: dict):
+        def watch(label, x):
+            if label not in found and _observe(x) is not None:
+                found[label] = _observe(x)
+        return watch
 
     def block_input(m, args, kwargs):
         if None not in seen:
@@ -245,10 +192,8 @@ def _watch(module: nn.Module, seen: dict, block) -> None:
             seen[None] = (x.shape[-1], x.dtype.itemsize)
 
     for fqn, sub in module.named_modules():
-        mount = mounted(sub)
-        if mount is not None:
-            sub.register_forward_pre_hook(inputs(fqn, mount), prepend=True, with_kwargs=True)
-            sub.register_forward_hook(outputs(fqn, mount), prepend=True)
+        if runtime(sub) is not None:
+            runtime(sub).watch = watcher(seen.setdefault(fqn, {}))
     if block is not None:
         module.get_submodule(block).register_forward_pre_hook(
             block_input, prepend=True, with_kwargs=True)
@@ -300,7 +245,12 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
     model = _meta_copy(module)
-    parallelize(model, fake_mesh(n), plan, src_rank=None)
+    with fake_meshes() as fake_mesh:
+        return _dry_run_on(model, fake_mesh(n), plan, n, shown, args, kwargs, values)
+
+
+def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) -> Report:
+    parallelize(model, mesh, plan, src_rank=None)
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
     lints = [*lint.heads(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
-from tpfn.shapes import SHAPES
+from tpfn.interpret.state import recall
 
 __all__ = ["cross_entropy"]
 
@@ -121,7 +121,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         raise TypeError("cross_entropy: give the sharded logits as a DTensor, or a local tensor with mesh=.")
     else:
         x = input
-        n_classes = SHAPES.recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
+        n_classes = recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
     x = x.movedim(class_dim, -1)
     shape = x.shape[:-1]
     offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tpfn.bind import _forward_names
+from tpfn._fqn import generalize, matches
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
-from tpfn.local import kernel_for
-from tpfn.plan import Plan, _matches, generalize, plan
-from tpfn.style import (
+from tpfn.plans.kinds import meaning
+from tpfn.plans.mount import forward_names
+from tpfn.plans.plan import Plan, plan
+from tpfn.style.constructors import (
     colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise,
     sequence_parallel,
 )
@@ -155,12 +156,12 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
     if string == "replicated_with_grad_allreduce":
         grads = {n: Partial() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         core = replicate() >> on_shards(param_grads=grads)
-    elif string == "embedding_rowwise" and kernel_for(rowwise().core, module) is None:
+    elif string == "embedding_rowwise" and not meaning(rowwise().core, module, "", ()).local:
         # An embedding with its own forward (Gemma's scales its output) computes on DTensors,
         # which sum the vocabulary shards where they need to: take the output as it comes.
         core = prepare_in(Replicate()) >> params(weight=Shard(0)) >> prepare_out(Replicate())
     elif string == "moe_tp_experts":
-        names, _, star = _forward_names(module)
+        names, _, star = forward_names(module)
         routed = star or len(names) >= 3  # (hidden_states, top_k_index, top_k_weights)
         core = on_shards(*((Replicate(), None, Replicate()) if routed else (Replicate(),)),
                          grads=Partial(), output=Partial()) >> prepare_out(Replicate())
@@ -178,7 +179,7 @@ def _spell(styles: dict, modules: dict) -> dict:
     entries = {}
     for (pattern, style), fqns in groups.items():
         if not pattern.startswith("*") and \
-                sorted(f for f in modules if _matches(pattern, f)) == sorted(fqns):
+                sorted(f for f in modules if matches(pattern, f)) == sorted(fqns):
             entries[pattern] = style
         else:
             entries.update(dict.fromkeys(fqns, style))

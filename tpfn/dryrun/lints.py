@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from tpfn.bind import describe
+from tpfn._fqn import describe, generalize
 from tpfn.layout import Shard
-from tpfn.plan import generalize
 
 __all__ = ["uneven", "heads", "siblings", "failure"]
 

@@ -1,0 +1,42 @@
+"""Module names: joining, generalizing and matching FQNs, and how errors name a module.
+
+>>> join("layers.0", "w1"), generalize("layers.11.attention.w1"), matches("layers.*.w1", "layers.3.w1")
+('layers.0.w1', 'layers.*.attention.w1', True)
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from fnmatch import fnmatchcase
+
+__all__ = ["join", "generalize", "matches", "describe", "near"]
+
+
+def join(*names: str) -> str:
+    """The dotted name of the non-empty ``names``."""
+    return ".".join(n for n in names if n)
+
+
+def generalize(fqn: str) -> str:
+    """The FQN with every list index as ``*`` (a plan's pattern for all the layers)."""
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    """Whether ``pattern`` (``*`` or any fnmatch pattern per name component) names ``fqn``."""
+    if not pattern:
+        return not fqn
+    parts, names = pattern.split("."), fqn.split(".") if fqn else []
+    return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
+
+
+def describe(module, fqn: str) -> str:
+    """``'layers.0.w1' (Linear)``: how errors name a module."""
+    return f"{fqn or '<root>'!r} ({type(module).__name__})"
+
+
+def near(name: str, options) -> str:
+    """`` (did you mean 'a' or 'b'?)`` for the options close to ``name``, else ``''``."""
+    close = difflib.get_close_matches(name, list(options), n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""

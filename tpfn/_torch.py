@@ -1,0 +1,49 @@
+"""Every private PyTorch API tpfn relies on, in one place: one file to fix per torch release."""
+
+from __future__ import annotations
+
+import torch
+from torch._C._distributed_c10d import (  # noqa: F401
+    FakeProcessGroup,
+    ProcessGroup,
+    _register_process_group as register_process_group,
+    _resolve_process_group as resolve_process_group,
+    _unregister_process_group as unregister_process_group,
+)
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+from torch.nn.modules.dropout import _DropoutNd as DropoutNd  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401
+
+__all__ = [
+    "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
+    "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
+    "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
+    "queue_callback", "local_tensor", "spec_of", "keep_mesh",
+]
+
+
+def queue_callback(fn) -> None:
+    """Run ``fn`` when the running backward ends."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def local_tensor(dt):
+    """A DTensor's local tensor, without autograd (DTensor's own field)."""
+    return dt._local_tensor
+
+
+def spec_of(dt):
+    """A DTensor's spec (mesh, placements, global shape and strides)."""
+    return dt._spec
+
+
+def keep_mesh(dt, mesh):
+    """``dt`` on ``mesh`` itself: DTensor's sharding caches key on mesh equality, which
+    ignores the process group, so an op on a DTensor can hand back one that names another
+    mesh over the same ranks (and its group)."""
+    if dt.device_mesh is not mesh:
+        dt._spec = DTensorSpec(mesh, dt._spec.placements, tensor_meta=dt._spec.tensor_meta)
+    return dt

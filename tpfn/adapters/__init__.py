@@ -1,0 +1,1 @@
+"""Adapters from the plans people already have: PyTorch's styles and Hugging Face's tp_plan."""

@@ -1,0 +1,81 @@
+"""Fake meshes: ``world_size`` ranks seen from rank 0, whose collectives do nothing.
+
+A fake mesh's process group is private: it is registered under a name of its own for the
+functional collectives and never becomes the default group, so a dry run also runs inside a
+job (or a test rank) whose default group is initialized, and after the user's own
+``init_process_group``/``destroy_process_group``. Meshes compare by ranks and dim names, not
+by process group, so DTensor's caches would take a fake mesh for a real one of the same
+size: its dim name, unique to it, keeps them apart.
+
+>>> mesh = fake_mesh(8)
+>>> mesh.size(), mesh.mesh_dim_names[0].startswith("tpfn-fake-8-"), fake_mesh(8) is mesh
+(8, True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tpfn._torch import (
+    FakeProcessGroup, ProcessGroup, register_process_group, resolve_process_group,
+    unregister_process_group,
+)
+
+__all__ = ["fake_mesh", "fake_meshes", "new_fake_mesh"]
+
+_KEPT: dict = {}
+
+
+def fake_mesh(world_size: int) -> DeviceMesh:
+    """A 1-D mesh of ``world_size`` fake ranks seen from rank 0, for code that needs one
+    outside a dry run: one per size, kept, and made anew once its group is gone (after
+    ``destroy_process_group()``). ``explain`` makes its own with ``fake_meshes``."""
+    mesh = _KEPT.get(world_size)
+    if mesh is not None:
+        try:
+            resolve_process_group(mesh.mesh_dim_names[0])
+            return mesh
+        except (RuntimeError, ValueError):
+            pass
+    mesh = _KEPT[world_size] = new_fake_mesh(world_size)
+    return mesh
+
+
+def new_fake_mesh(world_size: int) -> DeviceMesh:
+    """A new 1-D mesh of ``world_size`` fake ranks seen from rank 0; its group stays
+    registered while the mesh lives."""
+    name = f"tpfn-fake-{world_size}-{uuid.uuid4().hex[:8]}"
+    group = ProcessGroup(dist.HashStore(), 0, world_size)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
+                            FakeProcessGroup._create_internal(0, world_size))
+    group._set_group_name(name)
+    register_process_group(name, group)
+    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
+                      _init_backend=False, _rank=0)
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    return mesh
+
+
+@contextlib.contextmanager
+def fake_meshes():
+    """Yields ``make(world_size)``, which makes fake meshes; their groups are unregistered
+    when the block ends."""
+    made: list = []
+
+    def make(world_size: int) -> DeviceMesh:
+        mesh = new_fake_mesh(world_size)
+        made.append(mesh.mesh_dim_names[0])
+        return mesh
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            with contextlib.suppress(Exception):  # already gone with destroy_process_group()
+                unregister_process_group(name)

@@ -1,0 +1,241 @@
+"""``parallelize``: the one place with side effects.
+
+It resolves the plan (pure; any problem raises one ``PlanError`` and leaves the module
+untouched), builds the DTensor parameters (the only communication), and only then changes
+the module, in two ways and nowhere else:
+
+- every parameter the plan places becomes a DTensor parameter (tied ones stay one);
+- every bound module's ``forward`` becomes a ``Runtime``: its inputs through their slots,
+  the module's own forward, its outputs through their slots. A module that computes on local
+  shards (a ``Kernel``) is handed its parameters' local shards for the duration of its own
+  forward only; a ``finally`` puts the DTensor parameters back, so no exception,
+  ``KeyboardInterrupt`` or hook can see or keep the swap.
+
+Hooks on a bound module see its inputs as they arrive and its outputs as its style hands
+them on (a row-wise module's are summed), whenever they were registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tpfn._fqn import describe, join
+from tpfn.algebra import cotangent
+from tpfn.errors import PlanError
+from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.prepare import (
+    convert, global_shape, prepare_inputs, prepare_outputs, shard_params, unpackable,
+)
+from tpfn.interpret.rng import sharded
+from tpfn.interpret.state import State
+from tpfn.layout import Partial, from_torch
+from tpfn.plans.plan import resolve
+
+__all__ = ["parallelize", "mounted", "runtime", "Runtime"]
+
+
+class Runtime:
+    """A bound module's ``forward``: its mount run on ``mesh``, around the module's own
+    forward. ``state`` is what the parallelized model remembers; ``cache`` keeps the specs
+    of this module's moves; ``watch(label, value)``, when set, sees every slot's value as it
+    arrives (``tpfn.explain`` reads layouts with it)."""
+
+    def __init__(self, mount, mesh, state: State, module: nn.Module):
+        self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
+        self.forward = module.forward
+        self.cache: dict = {}
+        self.watch = None
+        kernel = mount.kernel
+        self.slots = param_slots(module, mount.owned) if kernel is not None else ()
+        self.grads = tuple(
+            kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
+            and kernel.inputs[i][0] is not None else (None if s.untouched else cotangent(s.out)[0])
+            for i, s in enumerate(mount.inputs.slots))
+
+    def __call__(self, *args, **kwargs):
+        mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
+        if self.watch is not None:
+            for i, name in enumerate(mount.names or range(len(args))):
+                self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
+            for name, _ in mount.inputs.kwargs:
+                self.watch(f"input {name!r}", kwargs.get(name))
+        first, shape = self._first(args, kwargs), None
+        if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
+                and not mount.inputs.slots[0].untouched:
+            shape = global_shape(first, mount.inputs.slots[0], mesh, shapes)
+        args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
+                                      where=mount.where, grads=self.grads, shapes=shapes,
+                                      cache=self.cache)
+        if kernel is None:
+            return self._outputs(self.forward(*args, **kwargs), None)
+        first, mask = self._first(args, kwargs), None
+        if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
+            ids, mask = vocab_mask(first, self.module, mesh)
+            args, kwargs = self._with_first(args, kwargs, ids)
+        if kernel.random == "slice":  # nn.Dropout: this rank's slice of one device's noise
+            if not (self.module.training and self.module.p > 0):
+                return self._outputs(first, shape)
+            dim = placements(kernel.output, first.ndim)[0].dim
+            return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
+        views = local_params(self.slots, kernel, mesh, self.cache)
+        saved = [(owner, name, owner._parameters[name]) for owner, name, _ in views]
+        try:
+            for owner, name, view in views:
+                owner._parameters[name] = view
+            with sharded(mesh) if kernel.random == "fork" else contextlib.nullcontext():
+                output = self.forward(*args, **kwargs)
+        finally:
+            for owner, name, param in saved:
+                owner._parameters[name] = param
+        if mask is not None and isinstance(output, torch.Tensor):
+            output = output.masked_fill(mask.unsqueeze(-1), 0)
+        return self._outputs(output, shape)
+
+    def _first(self, args, kwargs):
+        names = self.mount.names
+        return args[0] if args else kwargs.get(names[0]) if names else None
+
+    def _with_first(self, args, kwargs, x):
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, self.mount.names[0]: x}
+
+    def _outputs(self, output, in_shape):
+        """The module's output through its slots; a kernel's through its declared layout."""
+        mount, kernel = self.mount, self.mount.kernel
+        if self.watch is not None:
+            items = list(output.values()) if isinstance(output, dict) else (
+                list(output) if isinstance(output, (tuple, list)) else [output])
+            for i, x in enumerate(items):
+                self.watch(f"output {i}", x)
+            for key, _ in mount.outputs.keys:
+                if isinstance(output, dict):
+                    self.watch(f"output {key!r}", output.get(key))
+        if kernel is None or kernel.output is None:
+            return prepare_outputs(output, mount.outputs, self.mesh, where=mount.where,
+                                   shapes=self.state.shapes, cache=self.cache)
+        slot = mount.outputs.slots[0]
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"the output of {mount.where} is {type(output).__name__}, not a tensor, but "
+                f"{mount.style!r} declares one output laid out {slot.given!r}; return one "
+                "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
+        shape = kernel.out_shape(self.module, in_shape)
+        return convert(output, slot, self.mesh, local=mount.outputs.local,
+                       grad=cotangent(slot.out)[0], what=f"the output of {mount.where}",
+                       shapes=self.state.shapes, cache=self.cache, shape=shape)
+
+
+def runtime(module: nn.Module) -> Runtime | None:
+    """The ``Runtime`` that ``parallelize`` made ``module``'s forward, or None."""
+    forward = vars(module).get("forward")
+    return forward if isinstance(forward, Runtime) else None
+
+
+def mounted(module: nn.Module):
+    """The ``Mount`` that ``parallelize`` put on ``module``, or None."""
+    found = runtime(module)
+    return None if found is None else found.mount
+
+
+def _check_mesh(mesh, src_rank) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)) "
+            f"(got {mesh!r} that is a {type(mesh)!r})."
+        )
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        tp = "tp" if "tp" in names else names[-1] if names else None  # innermost: the fastest links
+        hint = f"mesh[{tp!r}]" if tp else "mesh['tp'] (name the dims with mesh_dim_names)"
+        raise ValueError(
+            f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}."
+        )
+    if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
+                                 or not 0 <= src_rank < mesh.size()):
+        raise ValueError(f"'src_rank' must be a rank of the mesh (0..{mesh.size() - 1}) or None "
+                         f"(got {src_rank!r}).")
+
+
+def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
+    """``{fqn.name: placement}`` with one entry per parameter object, and the problems found."""
+    by_param: dict = {}
+    found = []
+    for mount in mounts:
+        sub = modules[mount.fqn]
+        for name, placement in mount.params:
+            param = sub.get_parameter(name)
+            full = join(mount.fqn, name)
+            if id(param) in by_param:
+                first, placed, first_style = by_param[id(param)]
+                if placed != placement:
+                    found.append(
+                        f"parameter {full!r} is tied to {first!r}: {first_style!r} places it "
+                        f"{placed!r} and {mount.style!r} places it {placement!r}; a tied tensor "
+                        "has one layout, so give both modules styles that agree."
+                    )
+                continue
+            by_param[id(param)] = (full, placement, mount.style)
+            problem = unpackable(full, param.shape, placement, n)
+            if problem:
+                found.append(f"{problem[:-1]} ({mount.style!r} at {describe(sub, mount.fqn)}).")
+            if isinstance(param, DTensor) and from_torch(param.placements) != (placement,):
+                found.append(f"parameter {full!r} is already a DTensor laid out "
+                             f"{from_torch(param.placements)}; it cannot become {placement!r}.")
+    return {full: placement for full, placement, _ in by_param.values()}, found
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | None = 0) -> nn.Module:
+    """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
+
+    ``plan`` is a ``tpfn.plan(...)``, a dict of FQN pattern -> style, or one style for the
+    module itself. Parameters become DTensor parameters (tied ones stay one parameter); each
+    bound module's forward runs its style (see the module docstring). ``src_rank`` is the rank
+    whose parameter values every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps
+    each rank's own values and communicates nothing (for modules initialized identically, or
+    on the meta device).
+
+    Every problem (a pattern that matches nothing, a style its module cannot take, a module
+    already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
+    before anything changes.
+
+    >>> import torch, torch.nn as nn, tpfn
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,))   # any 1-D mesh; here one rank
+    >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    >>> mlp = tpfn.parallelize(mlp, mesh, {"0": tpfn.colwise(), "2": tpfn.rowwise()})
+    >>> mlp[0].weight.placements, mlp(torch.ones(2, 8)).shape
+    ((Shard(dim=0),), torch.Size([2, 8]))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
+    _check_mesh(mesh, src_rank)
+    bound = resolve(plan, module)
+    modules = dict(module.named_modules())
+    found = [f"{describe(modules[m.fqn], m.fqn)} is already parallelized "
+             f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
+             "leave it out of this plan." for m in bound if mounted(modules[m.fqn])]
+    rule, tied = _placements(modules, bound, mesh.size())
+    if found + tied:
+        raise PlanError(found + tied)
+
+    new = shard_params(module, mesh, rule, src_rank=src_rank)
+    replacement = {id(module.get_parameter(name)): param for name, param in new.items()}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in replacement:
+                sub._parameters[name] = replacement[id(param)]
+    state = State()
+    for m in bound:
+        sub = modules[m.fqn]
+        for name, layout in (m.kernel.grads if m.kernel else ()):
+            if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
+                state.partial_grads.watch(sub.get_parameter(name))
+        sub.forward = Runtime(m, mesh, state, sub)
+    return module

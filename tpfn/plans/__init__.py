@@ -1,0 +1,1 @@
+"""Plans and what a style means on a module: modules enter here; still pure."""

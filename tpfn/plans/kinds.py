@@ -1,0 +1,172 @@
+"""The table: what each built-in core means for each module kind, one row each.
+
+A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module and the
+parameters the style governs; it returns a ``Meaning``: the built-in written as a
+composition of primitives (``params(...) >> on_shards(...)``), what the module needs beyond
+them (a bias added once to partial sums, ids outside the rank's vocabulary slice masked,
+dropout noise drawn as one device draws it), and whether the module computes on local
+shards (its forward is the kind's own) or on DTensors in the same layouts. Built-ins and
+``on_shards`` styles then take one path (``tpfn.plans.mount``).
+
+>>> import torch.nn as nn
+>>> from tpfn.style.constructors import colwise
+>>> meaning(colwise().core, nn.Linear(4, 8), "'w1' (Linear)", ("weight", "bias")).style
+replicate() >> params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Replicate(), grads=Partial(), output=Shard(dim=-1))
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch.nn as nn
+
+from tpfn._torch import DropoutNd
+
+from tpfn.layout import Partial, Replicate, Shard
+from tpfn.style.constructors import on_shards, params, prepare_out, replicate
+from tpfn.style.style import Style
+
+__all__ = ["Kernel", "Meaning", "TABLE", "meaning"]
+
+
+@attrs.frozen
+class Kernel:
+    """What a module computes on local tensors, in layouts.
+
+    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction;
+    None: handed on untouched); ``inputs``: per positional input, ``(wanted, grad)``, the
+    layout it computes with and the layout of the gradient it computes for it (None: no
+    gradient, e.g. token ids); ``grads``: parameter name -> layout of its local gradient
+    where that differs from the parameter's own; ``bias_once``: a replicated bias added once
+    to partial sums; ``vocab``: an embedding sharded over its vocabulary (ids outside the
+    rank's slice masked); ``random``: how its random draws are made on shards, ``"fork"``
+    (each rank its own stream, ``tpfn.rng.sharded``) or ``"slice"`` (an ``nn.Dropout``
+    applies its slice of the whole tensor's mask, as one device draws it); ``shape``: the
+    global shape of the output from that of input 0 (None: kept where the output is laid
+    out as input 0, else recalled).
+    """
+
+    output: object
+    inputs: tuple = ()
+    grads: tuple = ()
+    bias_once: bool = False
+    vocab: bool = False
+    random: object = None
+    shape: object = None
+
+    def out_shape(self, module: nn.Module, in_shape):
+        """The global shape of the output for input 0 of global shape ``in_shape`` (None:
+        unknown to the kernel)."""
+        if in_shape is None:
+            return None
+        if self.shape is not None:
+            return self.shape(module, in_shape)
+        if self.inputs and self.inputs[0][0] == self.output:  # per position: shape kept
+            return in_shape
+        return None
+
+
+@attrs.frozen
+class Meaning:
+    """A built-in on one module: ``style`` of primitives, ``local`` (computes on local shards,
+    else on DTensors), and the ``Kernel`` extras it needs beyond the primitives."""
+
+    style: Style
+    local: bool = True
+    bias_once: bool = False
+    vocab: bool = False
+    random: object = None
+    shape: object = None
+
+
+def _present(module: nn.Module, **rules) -> dict:
+    return {n: p for n, p in rules.items() if getattr(module, n, None) is not None}
+
+
+def _own_forward(module: nn.Module, kind: type) -> bool:
+    return type(module).forward is kind.forward
+
+
+def _linear_shape(module, in_shape):
+    return (*in_shape[:-1], module.out_features)
+
+
+def _embedding_shape(module, in_shape):
+    return (*in_shape, module.embedding_dim)
+
+
+def _no_renorm(core, module: nn.Embedding, where: str):
+    if module.max_norm is None and not module.sparse:
+        return None
+    option = "max_norm" if module.max_norm is not None else "sparse"
+    why = ("renormalizes whole rows in place" if option == "max_norm"
+           else "makes sparse gradients, which DTensor cannot hold")
+    return (f"{core!r} at {where}: nn.Embedding({option}=...) {why}, so it cannot be "
+            f"sharded; leave it out of the plan (replicated) or build it without {option}.")
+
+
+def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
+    k = core.parts
+    return Meaning(
+        replicate() >> params(**_present(module, weight=Shard(0, k), bias=Shard(0, k)))
+        >> on_shards(Replicate(), grads=Partial(), output=Shard(-1, k)),
+        local=_own_forward(module, nn.Linear), shape=_linear_shape)
+
+
+def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
+    k = core.parts
+    return Meaning(
+        replicate() >> params(**_present(module, weight=Shard(1, k), bias=Replicate()))
+        >> on_shards(Shard(-1, k), output=Partial()) >> prepare_out(Replicate()),
+        local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
+        shape=_linear_shape)
+
+
+def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
+    return _no_renorm(core, module, where) or Meaning(
+        replicate() >> params(weight=Shard(1, core.parts))
+        >> on_shards(Replicate(), grads=(None,), output=Shard(-1, core.parts)),
+        local=_own_forward(module, nn.Embedding), shape=_embedding_shape)
+
+
+def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
+    # DTensor masks padding_idx and counts scale_grad_by_freq over the whole vocabulary.
+    plain = module.padding_idx is None and not module.scale_grad_by_freq
+    return _no_renorm(core, module, where) or Meaning(
+        replicate() >> params(weight=Shard(0, core.parts))
+        >> on_shards(Replicate(), grads=(None,), output=Partial()) >> prepare_out(Replicate()),
+        local=plain and _own_forward(module, nn.Embedding), vocab=True, shape=_embedding_shape)
+
+
+def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
+    big = [n for n in owned if module.get_parameter(n).dim() > 1]
+    if big:
+        return (
+            f"{core!r} at {where}: sequence parallelism runs a module on each position alone, "
+            f"so its parameters must be 1-D (norms, dropout), but {', '.join(big)} "
+            "is not; shard it with colwise() or rowwise()."
+        )
+    seq = Shard(core.dim)
+    random = ("slice" if type(module).forward is nn.Dropout.forward
+              else "fork" if isinstance(module, DropoutNd) else None)
+    return Meaning(
+        params(**dict.fromkeys(owned, Replicate()))
+        >> on_shards(seq, output=seq, param_grads=dict.fromkeys(owned, Partial())),
+        random=random)
+
+
+# (built-in, module kind) -> its row; the first kind the module is an instance of applies.
+TABLE = {
+    "colwise": ((nn.Linear, colwise_linear), (nn.Embedding, colwise_embedding)),
+    "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding)),
+    "sequence_parallel": ((nn.Module, sequence_parallel_any),),
+}
+
+
+def meaning(core, module: nn.Module, where: str, owned: tuple):
+    """The ``Meaning`` of ``core`` on ``module`` (``owned``: the names of the parameters its
+    style governs), or a sentence saying why it has none."""
+    for kind, row in TABLE[core.kind]:
+        if isinstance(module, kind):
+            return row(core, module, where, owned)
+    kinds = " and ".join(f"nn.{kind.__name__}" for kind, _ in TABLE[core.kind])
+    return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}."

@@ -1,0 +1,186 @@
+"""What a style means on one module: a ``Mount`` value, what ``parallelize`` mounts there.
+
+``mount(style, module, fqn)`` expands a built-in core into its table row
+(``tpfn.plans.kinds``), so built-ins and ``on_shards`` take one path; merges parameter
+placements; reads the folded slots of the style's normal form; and checks the style
+against the module's parameters and ``forward``. ``problems(style, module, fqn)`` lists
+what makes a style unusable on a module, for plans to report all at once.
+
+>>> import torch.nn as nn
+>>> from tpfn import Replicate, colwise, prepare_out
+>>> m = mount(colwise() >> prepare_out(Replicate()), nn.Linear(4, 8), "w1")
+>>> m.params
+(('bias', Shard(dim=0)), ('weight', Shard(dim=0)))
+>>> m.inputs.slots, m.outputs.slots
+((Slot(given=None, desired=Replicate()),), (Slot(given=Shard(dim=-1), desired=Replicate()),))
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import attrs
+import torch.nn as nn
+
+from tpfn._fqn import describe, near
+from tpfn.errors import PlanError
+from tpfn.layout import Shard  # noqa: F401  (the doctest's names)
+from tpfn.plans.kinds import Kernel, meaning
+from tpfn.style.slot import Slot, fold
+from tpfn.style.stages import Core, Inputs, OnShards, Outputs
+from tpfn.style.style import Style
+
+__all__ = ["Mount", "mount", "try_mount", "problems", "forward_names", "owned"]
+
+
+@attrs.frozen
+class Mount:
+    """A style on one module: parameter placements, the folded ``inputs`` and ``outputs``
+    (their ``local`` decided), the ``kernel`` that computes on local shards (None: the
+    module computes on DTensors), ``forward``'s positional input ``names`` (for inputs passed
+    by keyword) and the ``owned`` parameters whose local shards the kernel hands the module:
+    its own and those of submodules no other rule binds."""
+
+    fqn: str
+    style: Style
+    params: tuple
+    inputs: Inputs
+    outputs: Outputs
+    kernel: Kernel | None = None
+    names: tuple = ()
+    owned: tuple = ()
+    where: str = "module"
+
+
+def forward_names(module: nn.Module):
+    """``forward``'s positional input names, all its input names (None: it takes ``**kwargs``),
+    and whether it takes ``*args``."""
+    if "forward" in vars(module):  # set on the instance: its parameters are all inputs
+        return _signature_names(vars(module)["forward"], 0)
+    return _signature_names(type(module).forward, 1)  # the class's function: skip self
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature_names(forward, skip: int):
+    try:
+        sig = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return (), None, True
+    kinds = inspect.Parameter
+    params = list(sig.parameters.values())[skip:]
+    positional = tuple(p.name for p in params
+                       if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD))
+    named = None if any(p.kind is kinds.VAR_KEYWORD for p in params) else tuple(
+        p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY))
+    return positional, named, any(p.kind is kinds.VAR_POSITIONAL for p in params)
+
+
+def owned(module: nn.Module, bound=()) -> tuple:
+    """The names of the parameters of ``module`` and of its submodules outside the subtrees
+    ``bound`` (relative names of submodules with styles of their own), a tied one once."""
+    inside = lambda name: any(name.startswith(b + ".") for b in bound)  # noqa: E731
+    return tuple(n for n, _ in module.named_parameters() if not inside(n))
+
+
+def _on_dtensors(stage: OnShards) -> tuple:
+    """An ``on_shards`` stage as stages for a module that computes on DTensors: the same
+    layouts at its slots, moved by DTensor."""
+    return (Inputs(tuple(Slot(None, w) for w in stage.wants), local=False),
+            Outputs(stage.outputs, local=stage.local))
+
+
+def _expand(style: Style, core: Core, found: list, module, where: str, own: tuple):
+    """``style`` with its core written as its row's primitives, and the row's extras."""
+    row = meaning(core, module, where, own)
+    if isinstance(row, str):
+        found.append(row)
+        return None, None
+    local = core.default_local if core.local is None else core.local
+    stages = []
+    for stage in row.style.stages:
+        if isinstance(stage, OnShards):
+            stage = attrs.evolve(stage, local=local)
+            stages.extend((stage,) if row.local else _on_dtensors(stage))
+        else:
+            stages.append(stage)
+    i = style.stages.index(core)
+    expanded = Style(style.stages[:i] + tuple(stages) + style.stages[i + 1:])
+    return expanded, {"bias_once": row.bias_once, "vocab": row.vocab, "random": row.random,
+                      "shape": row.shape}
+
+
+def try_mount(style: Style, module: nn.Module, fqn: str, bound=()):
+    """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it."""
+    where = describe(module, fqn)
+    found: list = []
+    own = owned(module, bound)
+    extras = {"random": "fork"}  # an on_shards style draws on shards
+    expanded = style
+    if isinstance(style.core, Core):
+        expanded, extras = _expand(style, style.core, found, module, where, own)
+        if expanded is None:
+            return found
+    n = expanded.normal
+    names_here = [name for name, _ in module.named_parameters()]
+    placements: dict = {}
+    for name, placement in n.params:
+        try:
+            module.get_parameter(name)
+        except AttributeError:
+            found.append(f"{_stage_with(expanded, name)!r} at {where}: no parameter {name!r}; it has "
+                         f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
+            continue
+        placements[name] = placement
+    if n.rest is not None:
+        for name, _ in module.named_parameters(recurse=False):
+            placements.setdefault(name, n.rest)
+
+    inputs, kernel = n.inputs, None
+    if isinstance(n.core, OnShards):
+        for name, _ in n.core.param_grads:
+            if name not in names_here:
+                found.append(f"{n.core!r} at {where}: no parameter {name!r}; it has "
+                             f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
+        inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.wants), "input"),
+                        inputs.kwargs, True)
+        kernel = Kernel(n.core.output, tuple(zip(n.core.wants, n.core.grads)), n.core.param_grads,
+                        **extras)
+    default_out = n.core.default_local if n.core is not None else True
+    outputs = attrs.evolve(n.outputs, local=default_out if n.outputs.local is None else n.outputs.local)
+    inputs = attrs.evolve(inputs, local=bool(inputs.local))
+
+    names, named, star = forward_names(module)
+    touched = [i for i, s in enumerate(inputs.slots) if not s.untouched]
+    if touched and not star and touched[-1] >= len(names):
+        found.append(f"{style!r} at {where} prepares input {touched[-1]} but "
+                     f"{type(module).__name__}.forward takes {len(names)} positional "
+                     f"input{'s' * (len(names) != 1)} ({', '.join(names) or 'none'}).")
+    for name, _ in inputs.kwargs:
+        if named is not None and name not in named:
+            found.append(f"{style!r} at {where} prepares keyword input {name!r} but "
+                         f"{type(module).__name__}.forward has no such input{near(name, named)}.")
+    if found:
+        return found
+    return Mount(fqn, style, tuple(sorted(placements.items())), inputs, outputs, kernel, names,
+                 own if kernel is not None else (), where)
+
+
+def _stage_with(style: Style, name: str):
+    """The ``params`` stage of ``style`` that names parameter ``name``."""
+    return next(s for s in style.stages if name in dict(getattr(s, "rules", ())))
+
+
+def problems(style: Style, module: nn.Module, fqn: str = "", *, bound=()) -> list:
+    """Every reason ``style`` cannot apply to ``module`` (empty when it can)."""
+    folded = try_mount(style, module, fqn, bound)
+    return folded if isinstance(folded, list) else []
+
+
+def mount(style: Style, module: nn.Module, fqn: str = "", *, bound=()) -> Mount:
+    """The ``Mount`` of ``style`` on ``module`` (``bound``: the relative names of submodules
+    bound to styles of their own); a ``PlanError`` lists every problem."""
+    folded = try_mount(style, module, fqn, bound)
+    if isinstance(folded, list):
+        raise PlanError(folded)
+    return folded

@@ -1,0 +1,79 @@
+"""Slots: one input or output of a module, and folding a chain of them into one.
+
+>>> from tpfn.layout import Partial, Replicate, Shard
+>>> Slot(Partial(), Replicate()).then(Slot(None, Shard(1)), "output 0")
+Slot(given=Partial(), desired=Shard(dim=1))
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from tpfn.errors import StyleError
+from tpfn.layout import Shard
+
+__all__ = ["Slot", "fold", "fold_named"]
+
+
+def _shard_compatible(a, b) -> bool:
+    """Equal, or shards whose dims may coincide once the tensor's ndim is known."""
+    if a == b:
+        return True
+    return (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
+            and (a.dim < 0) != (b.dim < 0))
+
+
+@attrs.frozen
+class Slot:
+    """One input or output: the layout it arrives in (``given``) and the one wanted (``desired``).
+
+    ``given=None`` accepts what arrives: a DTensor brings its own layout, a plain tensor is
+    taken to be in ``desired`` already. A slot with neither is left alone.
+    """
+
+    given: object = None
+    desired: object = None
+
+    def __attrs_post_init__(self):
+        if self.desired is not None and self.desired == self.given:
+            object.__setattr__(self, "desired", None)
+
+    @property
+    def out(self):
+        """The layout after this slot (None: untouched)."""
+        return self.given if self.desired is None else self.desired
+
+    @property
+    def untouched(self) -> bool:
+        return self.given is None and self.desired is None
+
+    def then(self, other: "Slot", where: str) -> "Slot":
+        """This slot followed by ``other``: one slot, so one redistribution."""
+        if self.untouched:
+            return other
+        if other.untouched:
+            return self
+        if other.given is not None and not _shard_compatible(self.out, other.given):
+            raise StyleError(
+                f"{where}: one stage delivers {self.out!r} and the next declares it arrives as "
+                f"{other.given!r}; make the declarations agree (or leave given=None)."
+            )
+        return Slot(self.given, other.out)
+
+
+def fold(slots_a: tuple, slots_b: tuple, where: str) -> tuple:
+    """Positional slots ``slots_a`` followed by ``slots_b``, slot by slot."""
+    n = max(len(slots_a), len(slots_b))
+    pad = lambda s: s + (Slot(),) * (n - len(s))  # noqa: E731
+    out = tuple(a.then(b, f"{where} {i}") for i, (a, b) in enumerate(zip(pad(slots_a), pad(slots_b))))
+    while out and out[-1].untouched:
+        out = out[:-1]
+    return out
+
+
+def fold_named(a: tuple, b: tuple, where: str) -> tuple:
+    """Named slots ``a`` followed by ``b`` (``((name, slot), ...)``, sorted by name)."""
+    merged = dict(a)
+    for name, slot in b:
+        merged[name] = merged.get(name, Slot()).then(slot, f"{where} {name!r}")
+    return tuple(sorted((k, v) for k, v in merged.items() if not v.untouched))

@@ -1,0 +1,224 @@
+"""The stages a style is made of, each validated when it is built.
+
+- ``Inputs`` / ``Outputs``: slot layouts for a module's inputs / outputs (``prepare_in``,
+  ``prepare_out``);
+- ``Core``: a built-in way to shard the module itself (``colwise``, ``rowwise``,
+  ``sequence_parallel``), whose meaning per module kind is a row of ``tpfn.plans.kinds``;
+- ``OnShards``: the module computes on local tensors in the layouts given (``on_shards``);
+- ``Params``: parameter placements by name (``params``, ``replicate``).
+
+>>> Core("colwise", parts=2)
+colwise(parts=2)
+>>> Core("bogus")
+Traceback (most recent call last):
+...
+ValueError: 'kind' must be one of 'colwise', 'rowwise', 'sequence_parallel' (got 'bogus').
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from tpfn.layout import Partial, Replicate, Shard, is_placement
+from tpfn.style.slot import Slot
+
+__all__ = ["Inputs", "Outputs", "Core", "OnShards", "Params", "CORES", "placement_or_none", "flag"]
+
+CORES = ("colwise", "rowwise", "sequence_parallel")
+
+
+def placement_or_none(what: str, value):
+    """``value`` if it is a layout (Shard, Replicate, Partial) or None, else a TypeError."""
+    if value is not None and not is_placement(value):
+        raise TypeError(
+            f"{what} must be a placement (Shard, Replicate, Partial) or None "
+            f"(got {value!r} that is a {type(value)!r})."
+        )
+    return value
+
+
+def flag(what: str, value):
+    """``value`` if it is True, False or None, else a TypeError."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{what} must be True, False or None (got {value!r} that is a {type(value)!r}).")
+    return value
+
+
+def _local(instance, attribute, value):
+    flag(f"'{attribute.name}'", value)
+
+
+def _slots(instance, attribute, value):
+    if not (isinstance(value, tuple) and all(isinstance(s, Slot) for s in value)):
+        raise TypeError(f"'{attribute.name}' must be a tuple of Slot (got {value!r}).")
+
+
+def _named(instance, attribute, value):
+    if not (isinstance(value, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], Slot)
+            for p in value)):
+        raise TypeError(f"'{attribute.name}' must be a tuple of (name, Slot) pairs (got {value!r}).")
+
+
+def _layouts(instance, attribute, value):
+    if not isinstance(value, tuple):
+        raise TypeError(f"'{attribute.name}' must be a tuple of layouts (got {value!r}).")
+    for i, v in enumerate(value):
+        placement_or_none(f"'{attribute.name}'[{i}]", v)
+
+
+def _rules(instance, attribute, value):
+    if not (isinstance(value, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and is_placement(p[1])
+            for p in value)):
+        raise TypeError(f"'{attribute.name}' must be a tuple of (name, placement) pairs (got {value!r}).")
+
+
+def _int(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"'{attribute.name}' must be {int!r} (got {value!r} that is a {type(value)!r}).")
+
+
+def _positive(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TypeError(f"'parts' must be a positive int (got {value!r} that is a {type(value)!r}).")
+
+
+def _kind(instance, attribute, value):
+    if value not in CORES:
+        raise ValueError(f"'kind' must be one of {', '.join(map(repr, CORES))} (got {value!r}).")
+
+
+def _slots_repr(slots: tuple, main: str, other: str) -> list:
+    """Constructor arguments for slots: ``main`` layouts positionally, ``other`` by keyword."""
+    args = [repr(getattr(s, main)) for s in slots]
+    others = [getattr(s, other) for s in slots]
+    if any(o is not None for o in others):
+        args.append(f"{other}={others[0]!r}" if len(others) == 1 else f"{other}={tuple(others)!r}")
+    return args
+
+
+@attrs.frozen(repr=False)
+class Inputs:
+    """Stage: prepare positional and keyword inputs (see ``prepare_in``)."""
+
+    slots: tuple = attrs.field(default=(), validator=_slots)
+    kwargs: tuple = attrs.field(default=(), validator=_named)
+    local: object = attrs.field(default=None, validator=_local)
+
+    def __repr__(self):
+        args = _slots_repr(self.slots, "given", "desired")
+        if self.kwargs:
+            pairs = {k: (s.given, s.desired) for k, s in self.kwargs}
+            args.append(f"kwargs={pairs!r}")
+        if self.local is not None:
+            args.append(f"local={self.local!r}")
+        return f"prepare_in({', '.join(args)})"
+
+
+@attrs.frozen(repr=False)
+class Outputs:
+    """Stage: prepare positional or keyed outputs (see ``prepare_out``)."""
+
+    slots: tuple = attrs.field(default=(), validator=_slots)
+    keys: tuple = attrs.field(default=(), validator=_named)
+    local: object = attrs.field(default=None, validator=_local)
+
+    def __repr__(self):
+        args = _slots_repr(self.slots, "desired", "given")
+        if self.keys:
+            pairs = {k: (s.given, s.desired) for k, s in self.keys}
+            args.append(f"keys={pairs!r}")
+        if self.local is not None:
+            args.append(f"local={self.local!r}")
+        return f"prepare_out({', '.join(args)})"
+
+
+@attrs.frozen(repr=False)
+class Core:
+    """Stage: a built-in way to shard the module itself: ``colwise``, ``rowwise`` or
+    ``sequence_parallel``."""
+
+    kind: str = attrs.field(validator=_kind)
+    dim: int = attrs.field(default=1, validator=_int)
+    parts: int = attrs.field(default=1, validator=_positive)
+    local: object = attrs.field(default=None, validator=_local)
+
+    def __repr__(self):
+        args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
+        if self.parts != 1:
+            args.append(f"parts={self.parts}")
+        if self.local is not None:
+            args.append(f"local={self.local!r}")
+        return f"{self.kind}({', '.join(args)})"
+
+    @property
+    def outputs(self) -> tuple:
+        """The layout the core's computation gives (independent of the module kind)."""
+        return ({
+            "colwise": Slot(Shard(-1, self.parts)),
+            "rowwise": Slot(Partial(), Replicate()),
+            "sequence_parallel": Slot(Shard(self.dim)),
+        }[self.kind],)
+
+    @property
+    def default_local(self) -> bool:
+        """Whether the output is handed on as a local tensor unless ``local=`` says."""
+        return self.kind != "sequence_parallel"
+
+
+@attrs.frozen(repr=False)
+class OnShards:
+    """Stage: the module computes on local tensors in the layouts given (see ``on_shards``)."""
+
+    wants: tuple = attrs.field(default=(), validator=_layouts)
+    grads: tuple = attrs.field(default=(), validator=_layouts)
+    output: object = attrs.field(default=None)
+    param_grads: tuple = attrs.field(default=(), validator=_rules)
+    local: object = attrs.field(default=None, validator=_local)
+
+    def __attrs_post_init__(self):
+        placement_or_none("'output'", self.output)
+        if len(self.grads) != len(self.wants):
+            raise TypeError(f"'grads' must have one layout per input ({len(self.wants)}), "
+                            f"got {self.grads!r}.")
+
+    def __repr__(self):
+        args = [repr(w) for w in self.wants]
+        uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
+        if self.grads != self.wants:
+            broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
+                None if w is None else next(iter(uniform)) for w in self.wants)
+            args.append(f"grads={next(iter(uniform))!r}" if broadcast else f"grads={self.grads!r}")
+        if self.output is not None:
+            args.append(f"output={self.output!r}")
+        if self.param_grads:
+            args.append(f"param_grads={dict(self.param_grads)!r}")
+        if self.local is not None:
+            args.append(f"local={self.local!r}")
+        return f"on_shards({', '.join(args)})"
+
+    @property
+    def outputs(self) -> tuple:
+        return (Slot(self.output),) if self.output is not None else ()
+
+    default_local = True
+
+
+@attrs.frozen(repr=False)
+class Params:
+    """Stage: parameter placements by name (``rest`` places every other direct parameter)."""
+
+    rules: tuple = attrs.field(default=(), validator=_rules)
+    rest: object = attrs.field(default=None)
+
+    def __attrs_post_init__(self):
+        placement_or_none("'rest'", self.rest)
+
+    def __repr__(self):
+        if not self.rules and self.rest == Replicate():
+            return "replicate()"
+        rules = dict(self.rules)
+        if all(name.isidentifier() for name in rules):
+            return f"params({', '.join(f'{k}={v!r}' for k, v in rules.items())})"
+        return f"params(**{rules!r})"

@@ -1,0 +1,1 @@
+"""Training with a parallelized model: loss parallel, gradient clipping, checkpoints."""

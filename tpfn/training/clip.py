@@ -1,0 +1,84 @@
+"""Gradient clipping across meshes.
+
+With tensor parallelism and FSDP2 together, the parameters tpfn shards live on the 2-D
+(data, tensor) mesh while parameters no plan binds live on the data mesh alone (or are
+plain tensors); ``torch.nn.utils.clip_grad_norm_`` cannot combine norms across meshes.
+``clip_grad_norm_`` here adds up each gradient's local contribution over the mesh dims
+that shard it (a replica counts once), which gives the single-device norm whatever the
+meshes, and scales every gradient by the same factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:
+    for dim in dims:  # one mesh dim at a time: sums and maxima are associative
+        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+    return value
+
+
+def _norm(grads: list, norm_type: float) -> torch.Tensor:
+    """The norm of all the gradients (plain tensors or DTensors on any meshes), on every rank.
+
+    Each gradient's local contribution is added to those of its group (same mesh, same
+    sharded mesh dims); each group is reduced once over its sharded dims.
+    """
+    inf = math.isinf(norm_type)
+    combine = torch.maximum if inf else torch.add
+    groups: dict = {}
+    for g in grads:
+        mesh, dims = None, ()
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):  # terms of a sum: add them up first
+                g = g.redistribute(g.device_mesh, [Replicate() if p.is_partial() else p
+                                                   for p in g.placements])
+            mesh, dims = g.device_mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+            g = g.to_local()
+        part = torch.linalg.vector_norm(g, norm_type).double()
+        part = part if inf else part ** norm_type
+        key = (mesh, dims)
+        groups[key] = part if key not in groups else combine(groups[key], part)
+    total = torch.zeros((), dtype=torch.float64)
+    for (mesh, dims), part in groups.items():
+        if mesh is not None:
+            part = _reduce(part, mesh, dims, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        total = combine(total, part.cpu())
+    return total if inf else total ** (1 / norm_type)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients on any mix of meshes and plain tensors.
+
+    Returns the total norm (a plain tensor, the same on every rank), the one a single
+    device would compute for the whole model.
+
+    >>> import torch, torch.nn as nn
+    >>> layer = nn.Linear(3, 1)
+    >>> layer(torch.ones(2, 3)).sum().backward()
+    >>> expected = torch.cat([p.grad.flatten() for p in layer.parameters()]).norm()
+    >>> torch.allclose(clip_grad_norm_(layer.parameters(), 1.0), expected)
+    True
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = _norm(grads, norm_type).float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway.")
+    scale = min(1.0, max_norm / (total.item() + 1e-6))
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
