@@ -142,7 +142,7 @@ def test_prepare_in_then_colwise_is_pytorchs_colwise_with_input_layouts():
     assert m.inputs.slots == (Slot(Shard(1), Replicate()),)
     assert m.outputs.slots == (Slot(Shard(-1), Replicate()),)
     assert m.outputs.local is True
-    # nn.Linear's layouts are known: it computes on local shards (tpfn.local).
+    # nn.Linear's layouts are known: it computes on local shards (tpfn.plans.kinds).
     assert m.kernel is not None and m.inputs.local is True
 
 

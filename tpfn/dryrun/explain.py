@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from tpfn.algebra import local_shape, transition
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun.collectives import record
-from tpfn.dryrun.fake import fake_meshes
+from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
@@ -245,8 +245,11 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
     model = _meta_copy(module)
-    with fake_meshes() as fake_mesh:
-        return _dry_run_on(model, fake_mesh(n), plan, n, shown, args, kwargs, values)
+    mesh = new_fake_mesh(n)
+    try:
+        return _dry_run_on(model, mesh, plan, n, shown, args, kwargs, values)
+    finally:
+        release(mesh)
 
 
 def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) -> Report:

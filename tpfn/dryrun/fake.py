@@ -26,7 +26,7 @@ from tpfn._torch import (
     unregister_process_group,
 )
 
-__all__ = ["fake_mesh", "fake_meshes", "new_fake_mesh"]
+__all__ = ["fake_mesh", "new_fake_mesh", "release"]
 
 _KEPT: dict = {}
 
@@ -34,7 +34,7 @@ _KEPT: dict = {}
 def fake_mesh(world_size: int) -> DeviceMesh:
     """A 1-D mesh of ``world_size`` fake ranks seen from rank 0, for code that needs one
     outside a dry run: one per size, kept, and made anew once its group is gone (after
-    ``destroy_process_group()``). ``explain`` makes its own with ``fake_meshes``."""
+    ``destroy_process_group()``). ``explain`` makes its own with ``new_fake_mesh``."""
     mesh = _KEPT.get(world_size)
     if mesh is not None:
         try:
@@ -48,7 +48,7 @@ def fake_mesh(world_size: int) -> DeviceMesh:
 
 def new_fake_mesh(world_size: int) -> DeviceMesh:
     """A new 1-D mesh of ``world_size`` fake ranks seen from rank 0; its group stays
-    registered while the mesh lives."""
+    registered until ``release``."""
     name = f"tpfn-fake-{world_size}-{uuid.uuid4().hex[:8]}"
     group = ProcessGroup(dist.HashStore(), 0, world_size)
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
@@ -62,20 +62,8 @@ def new_fake_mesh(world_size: int) -> DeviceMesh:
     return mesh
 
 
-@contextlib.contextmanager
-def fake_meshes():
-    """Yields ``make(world_size)``, which makes fake meshes; their groups are unregistered
-    when the block ends."""
-    made: list = []
-
-    def make(world_size: int) -> DeviceMesh:
-        mesh = new_fake_mesh(world_size)
-        made.append(mesh.mesh_dim_names[0])
-        return mesh
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            with contextlib.suppress(Exception):  # already gone with destroy_process_group()
-                unregister_process_group(name)
+def release(mesh: DeviceMesh) -> None:
+    """Unregister the group of a fake mesh from ``new_fake_mesh`` (gone already after
+    ``destroy_process_group()``)."""
+    with contextlib.suppress(Exception):
+        unregister_process_group(mesh.mesh_dim_names[0])

@@ -47,12 +47,16 @@ def _even(local, placements: tuple, mesh) -> tuple:
     return tuple(shape)
 
 
-def recall(local, placements: tuple, mesh) -> tuple:
-    """The global shape of ``local`` if a slot handed it on, else the even split."""
+def recall(local, placements: tuple, mesh, table=None) -> tuple:
+    """The global shape of ``local`` if a slot handed it on, else the one ``table`` (a model's
+    ``Shapes.table``) last saw for its local shape, else the even split."""
     if not torch.compiler.is_compiling():
+        key = _key(local, placements, mesh)
         mine = TENSOR_SHAPES.get(local)
-        if mine is not None and mine[0] == _key(local, placements, mesh):
+        if mine is not None and mine[0] == key:
             return mine[1]
+        if table is not None and key in table:
+            return table[key]
     return _even(local, placements, mesh)
 
 
@@ -75,15 +79,7 @@ class Shapes:
 
     def recall(self, local, placements: tuple, mesh) -> tuple:
         """The remembered global shape, else the even split DTensor would assume."""
-        if not torch.compiler.is_compiling():
-            key = _key(local, placements, mesh)
-            mine = TENSOR_SHAPES.get(local)
-            if mine is not None and mine[0] == key:
-                return mine[1]
-            found = self.table.get(key)
-            if found is not None:
-                return found
-        return _even(local, placements, mesh)
+        return recall(local, placements, mesh, self.table)
 
 
 class PartialGrads:

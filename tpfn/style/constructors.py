@@ -96,7 +96,7 @@ def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
     input 0 is wanted ``Shard(dim)`` (a plain tensor is taken to be sharded so, a DTensor
     is redistributed); output 0 is ``Shard(dim)``, a DTensor (``local=True``: a local tensor).
     The parameters' gradients are partial sums over the slices; at the end of backward, those
-    of all such parameters are summed in one all-reduce (``tpfn.grads``).
+    of all such parameters are summed in one all-reduce (``tpfn.interpret.state``).
 
     Same as PyTorch's ``SequenceParallel(sequence_dim=dim)``.
 

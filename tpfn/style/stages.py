@@ -44,44 +44,31 @@ def flag(what: str, value):
     return value
 
 
-def _local(instance, attribute, value):
-    flag(f"'{attribute.name}'", value)
+def _valid(check, expected: str):
+    """An attrs validator: ``check(value)`` or a TypeError naming the field."""
+    def validate(instance, attribute, value):
+        if not check(value):
+            raise TypeError(f"'{attribute.name}' must be {expected} (got {value!r} that is a "
+                            f"{type(value)!r}).")
+    return validate
 
 
-def _slots(instance, attribute, value):
-    if not (isinstance(value, tuple) and all(isinstance(s, Slot) for s in value)):
-        raise TypeError(f"'{attribute.name}' must be a tuple of Slot (got {value!r}).")
+def _pairs(second):
+    return lambda v: isinstance(v, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and second(p[1]) for p in v)
 
 
-def _named(instance, attribute, value):
-    if not (isinstance(value, tuple) and all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], Slot)
-            for p in value)):
-        raise TypeError(f"'{attribute.name}' must be a tuple of (name, Slot) pairs (got {value!r}).")
-
-
-def _layouts(instance, attribute, value):
-    if not isinstance(value, tuple):
-        raise TypeError(f"'{attribute.name}' must be a tuple of layouts (got {value!r}).")
-    for i, v in enumerate(value):
-        placement_or_none(f"'{attribute.name}'[{i}]", v)
-
-
-def _rules(instance, attribute, value):
-    if not (isinstance(value, tuple) and all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and is_placement(p[1])
-            for p in value)):
-        raise TypeError(f"'{attribute.name}' must be a tuple of (name, placement) pairs (got {value!r}).")
-
-
-def _int(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"'{attribute.name}' must be {int!r} (got {value!r} that is a {type(value)!r}).")
-
-
-def _positive(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TypeError(f"'parts' must be a positive int (got {value!r} that is a {type(value)!r}).")
+_local = _valid(lambda v: v is None or isinstance(v, bool), "True, False or None")
+_layout = _valid(lambda v: v is None or is_placement(v), "a placement or None")
+_layouts = _valid(lambda v: isinstance(v, tuple) and all(x is None or is_placement(x) for x in v),
+                  "a tuple of placements or None")
+_slots = _valid(lambda v: isinstance(v, tuple) and all(isinstance(x, Slot) for x in v),
+                "a tuple of Slot")
+_named = _valid(_pairs(lambda x: isinstance(x, Slot)), "a tuple of (name, Slot) pairs")
+_rules = _valid(_pairs(is_placement), "a tuple of (name, placement) pairs")
+_int = _valid(lambda v: isinstance(v, int) and not isinstance(v, bool), repr(int))
+_positive = _valid(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   "a positive int")
 
 
 def _kind(instance, attribute, value):
@@ -173,12 +160,11 @@ class OnShards:
 
     wants: tuple = attrs.field(default=(), validator=_layouts)
     grads: tuple = attrs.field(default=(), validator=_layouts)
-    output: object = attrs.field(default=None)
+    output: object = attrs.field(default=None, validator=_layout)
     param_grads: tuple = attrs.field(default=(), validator=_rules)
     local: object = attrs.field(default=None, validator=_local)
 
     def __attrs_post_init__(self):
-        placement_or_none("'output'", self.output)
         if len(self.grads) != len(self.wants):
             raise TypeError(f"'grads' must have one layout per input ({len(self.wants)}), "
                             f"got {self.grads!r}.")
@@ -210,10 +196,7 @@ class Params:
     """Stage: parameter placements by name (``rest`` places every other direct parameter)."""
 
     rules: tuple = attrs.field(default=(), validator=_rules)
-    rest: object = attrs.field(default=None)
-
-    def __attrs_post_init__(self):
-        placement_or_none("'rest'", self.rest)
+    rest: object = attrs.field(default=None, validator=_layout)
 
     def __repr__(self):
         if not self.rules and self.rest == Replicate():
