@@ -260,3 +260,77 @@ def test_a_module_style_places_every_direct_parameter_of_its_module(ranks2, scal
     (placement, errors0), (_, errors1) = ranks2.run(_extra_parameter, scale_shape)
     assert _too_far(errors0, errors1) == {}
     assert placement == (TReplicate(),)
+
+
+# 5. The swap of local shards cannot outlive the forward; hooks see handed-on outputs.
+
+
+class Interrupted(nn.Module):
+    """A column-wise and a row-wise projection whose forward is interrupted in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.stop = False
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.stop:
+            raise KeyboardInterrupt  # Ctrl-C while the parent computes on local shards
+        return self.down(h)
+
+
+def _interrupted() -> tuple:
+    torch.manual_seed(0)
+    ref = Interrupted()
+    tp = tpfn.parallelize(clone(ref), mesh(2), {"": on_shards(), "up": colwise(),
+                                                "down": rowwise()})
+    tp.stop = True
+    try:
+        tp(torch.randn(3, 4))
+    except KeyboardInterrupt:
+        pass
+    tp.stop = False
+    kept = all(isinstance(p, DTensor) for p in tp.parameters())
+    shapes = {k: tuple(v.shape) for k, v in tp.state_dict().items()}
+    x = torch.randn(3, 4)
+    return kept, shapes == {k: tuple(v.shape) for k, v in ref.state_dict().items()}, \
+        rel_err(tp(x), ref(x)) <= TOL
+
+
+def test_an_interrupted_forward_leaves_the_dtensor_parameters_in_place(ranks2):
+    """A ``KeyboardInterrupt`` inside a forward that computes on local shards (which
+    PyTorch's ``always_call`` forward hooks do not see) leaves every parameter a DTensor of
+    its global shape, so ``state_dict()`` and checkpoints hold whole tensors and the next
+    forward matches one device."""
+    assert ranks2.run(_interrupted) == [(True, True, True)] * 2
+
+
+def _steered() -> dict:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    tp = clone(ref)
+    steer, seen = torch.randn(4), []
+
+    def hook(module, args, out):  # registered before parallelize, as users do
+        seen.append(out.detach().clone())
+        return out + steer
+
+    for model in (ref, tp):
+        model[2].register_forward_hook(hook)
+    tpfn.parallelize(tp, mesh(2), {"0": colwise(), "2": rowwise()})
+    x = torch.randn(3, 4)
+    out, expected = tp(x), ref(x)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    errors = _errors(tp, ref, out, expected)
+    errors["seen"] = rel_err(seen[1], seen[0])
+    return errors
+
+
+def test_a_users_forward_hook_sees_the_rowwise_output_summed(ranks2):
+    """A forward hook registered before ``parallelize`` (steering, activation capture) sees
+    the module's output as its style hands it on, the all-reduced sum, as native TP's
+    DTensor output would be; so the steered output, the captured activation and every
+    gradient match one device."""
+    assert _too_far(*ranks2.run(_steered)) == {}
