@@ -24,7 +24,7 @@ from torch.distributed.tensor import Replicate as TReplicate
 
 import tpfn
 from tests.models import clone, full, rel_err
-from tests.ranks import mesh
+from tests.ranks import Ranks, mesh
 from tpfn import (
     Partial, Replicate, Shard, colwise, on_shards, prepare_in, prepare_out, replicate,
     rowwise, sequence_parallel,
@@ -172,7 +172,7 @@ def _second_mesh_over_the_same_ranks() -> tuple:
     return before, after
 
 
-def test_a_second_mesh_over_the_same_ranks_communicates_on_its_own_group(ranks2):
+def test_a_second_mesh_over_the_same_ranks_communicates_on_its_own_group():
     """Two meshes over the same ranks compare equal (``DeviceMesh.__eq__`` looks at ranks,
     layout, device and dim names, not at the process group), but each must communicate on
     its own group. A model parallelized on a mesh over group 1 runs; group 1 is destroyed;
@@ -180,8 +180,10 @@ def test_a_second_mesh_over_the_same_ranks_communicates_on_its_own_group(ranks2)
     forward and backward on group 2 and match one device. (The shapes must repeat: the
     moves of the second model look up what was cached for the first mesh by shape and
     mesh, and today they get the first mesh's specs, whose destroyed group the collectives
-    are sent to.)"""
-    (before0, after0), (before1, after1) = ranks2.run(_second_mesh_over_the_same_ranks)
+    are sent to.) Ranks of their own: DTensor's sharding cache (in torch, keyed on mesh
+    equality) keeps naming the destroyed groups, which later tests must not meet."""
+    with Ranks(2) as fresh:
+        (before0, after0), (before1, after1) = fresh.run(_second_mesh_over_the_same_ranks)
     assert _too_far(before0, before1) == {}
     assert _too_far(after0, after1) == {}
 
