@@ -50,6 +50,8 @@ def _even(local, placements: tuple, mesh) -> tuple:
 def recall(local, placements: tuple, mesh, table=None) -> tuple:
     """The global shape of ``local`` if a slot handed it on, else the one ``table`` (a model's
     ``Shapes.table``) last saw for its local shape, else the even split."""
+    if not any(p.is_shard() for p in placements):  # whole on every rank
+        return tuple(local.shape)
     if not torch.compiler.is_compiling():
         key = _key(local, placements, mesh)
         mine = TENSOR_SHAPES.get(local)

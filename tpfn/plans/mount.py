@@ -90,23 +90,28 @@ def _on_dtensors(stage: OnShards) -> tuple:
             Outputs(stage.outputs, local=stage.local))
 
 
+@functools.lru_cache(maxsize=1024)
+def _expanded(style: Style, core: Core, primitives: Style, local_shards: bool) -> Style:
+    """``style`` with ``core`` replaced by ``primitives`` (on DTensors unless ``local_shards``)."""
+    local = core.default_local if core.local is None else core.local
+    stages = []
+    for stage in primitives.stages:
+        if isinstance(stage, OnShards):
+            stage = attrs.evolve(stage, local=local)
+            stages.extend((stage,) if local_shards else _on_dtensors(stage))
+        else:
+            stages.append(stage)
+    i = style.stages.index(core)
+    return Style(style.stages[:i] + tuple(stages) + style.stages[i + 1:])
+
+
 def _expand(style: Style, core: Core, found: list, module, where: str, own: tuple):
     """``style`` with its core written as its row's primitives, and the row's extras."""
     row = meaning(core, module, where, own)
     if isinstance(row, str):
         found.append(row)
         return None, None
-    local = core.default_local if core.local is None else core.local
-    stages = []
-    for stage in row.style.stages:
-        if isinstance(stage, OnShards):
-            stage = attrs.evolve(stage, local=local)
-            stages.extend((stage,) if row.local else _on_dtensors(stage))
-        else:
-            stages.append(stage)
-    i = style.stages.index(core)
-    expanded = Style(style.stages[:i] + tuple(stages) + style.stages[i + 1:])
-    return expanded, {"bias_once": row.bias_once, "vocab": row.vocab, "random": row.random,
+    return _expanded(style, core, row.style, row.local), {"bias_once": row.bias_once, "vocab": row.vocab, "random": row.random,
                       "shape": row.shape}
 
 
@@ -122,12 +127,11 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=()):
         if expanded is None:
             return found
     n = expanded.normal
-    names_here = [name for name, _ in module.named_parameters()]
+    names_here = own if not bound else [name for name, _ in module.named_parameters()]
+    known = set(names_here)
     placements: dict = {}
     for name, placement in n.params:
-        try:
-            module.get_parameter(name)
-        except AttributeError:
+        if name not in known:
             found.append(f"{_stage_with(expanded, name)!r} at {where}: no parameter {name!r}; it has "
                          f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
             continue

@@ -137,6 +137,13 @@ def resolve(plan_like, module: nn.Module) -> tuple:
             bound.setdefault(fqn, []).append((pattern, style))
     folded = []
     order = {fqn: i for i, fqn in enumerate(modules)}
+    below: dict = {}  # fqn -> the relative names of the bound modules under it
+    for fqn in bound:
+        parts = fqn.split(".") if fqn else []
+        for i in range(len(parts)):
+            prefix = ".".join(parts[:i])
+            if prefix in bound:
+                below.setdefault(prefix, []).append(".".join(parts[i:]))
     for fqn, entries in sorted(bound.items(), key=lambda item: order[item[0]]):
         styles = sorted({s for _, s in entries}, key=repr)
         if len(styles) > 1:
@@ -144,9 +151,7 @@ def resolve(plan_like, module: nn.Module) -> tuple:
             found.append(f"{describe(modules[fqn], fqn)} is bound to {len(styles)} styles ({by}); "
                          "bind it once, e.g. by combining them with >> or narrowing a pattern.")
             continue
-        below = [f[len(fqn) + 1:] if fqn else f for f in bound if f != fqn and (
-            not fqn or f.startswith(fqn + "."))]
-        mount = try_mount(styles[0], modules[fqn], fqn, below)
+        mount = try_mount(styles[0], modules[fqn], fqn, below.get(fqn, ()))
         if isinstance(mount, list):
             found.extend(mount)
         else:

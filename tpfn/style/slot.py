@@ -23,7 +23,7 @@ def _shard_compatible(a, b) -> bool:
             and (a.dim < 0) != (b.dim < 0))
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Slot:
     """One input or output: the layout it arrives in (``given``) and the one wanted (``desired``).
 

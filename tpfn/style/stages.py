@@ -85,7 +85,7 @@ def _slots_repr(slots: tuple, main: str, other: str) -> list:
     return args
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Inputs:
     """Stage: prepare positional and keyword inputs (see ``prepare_in``)."""
 
@@ -103,7 +103,7 @@ class Inputs:
         return f"prepare_in({', '.join(args)})"
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Outputs:
     """Stage: prepare positional or keyed outputs (see ``prepare_out``)."""
 
@@ -121,7 +121,7 @@ class Outputs:
         return f"prepare_out({', '.join(args)})"
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Core:
     """Stage: a built-in way to shard the module itself: ``colwise``, ``rowwise`` or
     ``sequence_parallel``."""
@@ -154,7 +154,7 @@ class Core:
         return self.kind != "sequence_parallel"
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class OnShards:
     """Stage: the module computes on local tensors in the layouts given (see ``on_shards``)."""
 
@@ -191,7 +191,7 @@ class OnShards:
     default_local = True
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Params:
     """Stage: parameter placements by name (``rest`` places every other direct parameter)."""
 

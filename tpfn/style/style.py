@@ -14,6 +14,8 @@ and output is redistributed at most once); everything that needs the style reads
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from tpfn.errors import StyleError
@@ -40,6 +42,7 @@ def _last(a, b):
     return a if b is None else b
 
 
+@functools.lru_cache(maxsize=4096)
 def normal_form(stages: tuple) -> Normal:
     """The ``Normal`` of ``stages``, or a ``StyleError`` saying what cannot mean anything."""
     core = outputs_seen = None
@@ -97,7 +100,7 @@ def _stages(instance, attribute, value):
         raise TypeError(f"'stages' must be a tuple of stages (got {value!r}).")
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Style:
     """How to parallelize one module: stages composed left to right with ``>>``.
 
