@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch._C._distributed_c10d import (  # noqa: F401
     FakeProcessGroup,
     ProcessGroup,
@@ -14,6 +15,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.nn.modules.dropout import _DropoutNd as DropoutNd  # noqa: F401
+from torch.nn.modules import batchnorm, pooling
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401
 
@@ -21,8 +23,15 @@ __all__ = [
     "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
-    "queue_callback", "local_tensor", "spec_of", "keep_mesh",
+    "MIXING", "assert_async", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
 ]
+
+
+# Modules that combine positions (batch statistics, groups of channels, windows): computed on a
+# shard of the sequence they give other numbers than on the whole sequence.
+MIXING = (batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, pooling._MaxPoolNd,
+          pooling._AvgPoolNd, pooling._AdaptiveMaxPoolNd, pooling._AdaptiveAvgPoolNd,
+          pooling._LPPoolNd, nn.Flatten, nn.Unflatten, nn.Upsample)
 
 
 def queue_callback(fn) -> None:
@@ -47,3 +56,9 @@ def keep_mesh(dt, mesh):
     if dt.device_mesh is not mesh:
         dt._spec = DTensorSpec(mesh, dt._spec.placements, tensor_meta=dt._spec.tensor_meta)
     return dt
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Raise ``message`` where ``condition`` is False, without waiting for the device (on CPU
+    at once, on CUDA as a device-side assert, as an out-of-range index does on one device)."""
+    torch._assert_async(condition, message)

@@ -22,7 +22,9 @@ import torch.nn as nn
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import DTensorSpec, TensorMeta, local_tensor, redistribute_local_tensor, spec_of
+from tpfn._torch import (
+    DTensorSpec, TensorMeta, assert_async, local_tensor, redistribute_local_tensor, spec_of,
+)
 from tpfn.algebra import chunk_bounds, contiguous_strides, transition
 from tpfn.errors import CollectiveError
 from tpfn.layout import from_torch, to_torch
@@ -49,6 +51,16 @@ def failed(what: str, src, dst, error: Exception) -> CollectiveError:
     )
 
 
+def _first_order(what: str) -> None:
+    """Refuse a backward that builds a graph for a second one (``create_graph=True``): the
+    moves' backward collectives are not differentiated again, so its numbers would be wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"a second-order gradient (backward with create_graph=True) runs through {what}, "
+            "whose backward tpfn does not differentiate again; compute such a term (a gradient "
+            "penalty) on a model that is not parallelized, or leave the module out of the plan.")
+
+
 def _redistribute(x: torch.Tensor, src_spec, dst_spec, what: str) -> torch.Tensor:
     """``redistribute_local_tensor``, with a failed collective named after the slot it served."""
     try:
@@ -70,6 +82,7 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _first_order(ctx.what)
         if ctx.backward_specs is None:
             return grad, None, None, None
         moved = _redistribute(grad.contiguous(), *ctx.backward_specs, f"the gradient of {ctx.what}")
@@ -155,6 +168,7 @@ class _View(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _first_order("a parameter's local shard")
         return DTensor(grad.contiguous(), ctx.spec, requires_grad=False), None
 
 
@@ -203,8 +217,12 @@ def _view(param: DTensor, grad, cache: dict):
     return local_tensor(param)
 
 
-def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh):
-    """(local ids, mask of ids outside this rank's vocabulary slice), as DTensor computes them."""
+def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh, what: str):
+    """(local ids, mask of ids outside this rank's vocabulary slice), as DTensor computes them;
+    an id outside the whole vocabulary raises on every rank, as on one device."""
+    n = module.num_embeddings
+    assert_async(((ids >= 0) & (ids < n)).all(),
+                 f"{what}: an id lies outside the vocabulary [0, {n}) (index out of range in self)")
     offset, size = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_coordinate()[0])
     mask = (ids < offset) | (ids >= offset + size)
     return (ids - offset).masked_fill(mask, 0), mask

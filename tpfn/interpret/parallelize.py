@@ -56,6 +56,8 @@ class Runtime:
             kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
             and kernel.inputs[i][0] is not None else (None if s.untouched else cotangent(s.out)[0])
             for i, s in enumerate(mount.inputs.slots))
+        out = mount.outputs.slots[0] if kernel is not None and kernel.output is not None else None
+        self.out_grad = None if out is None else cotangent(out.out)[0]
 
     def __call__(self, *args, **kwargs):
         mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
@@ -70,12 +72,12 @@ class Runtime:
             shape = global_shape(first, mount.inputs.slots[0], mesh, shapes)
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache)
+                                      cache=self.cache, first_shape=shape)
         if kernel is None:
             return self._outputs(self.forward(*args, **kwargs), None)
         first, mask = self._first(args, kwargs), None
         if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
-            ids, mask = vocab_mask(first, self.module, mesh)
+            ids, mask = vocab_mask(first, self.module, mesh, f"input 0 of {mount.where}")
             args, kwargs = self._with_first(args, kwargs, ids)
         if kernel.random == "slice":  # nn.Dropout: this rank's slice of one device's noise
             if not (self.module.training and self.module.p > 0):
@@ -127,7 +129,7 @@ class Runtime:
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         shape = kernel.out_shape(self.module, in_shape)
         return convert(output, slot, self.mesh, local=mount.outputs.local,
-                       grad=cotangent(slot.out)[0], what=f"the output of {mount.where}",
+                       grad=self.out_grad, what=f"the output of {mount.where}",
                        shapes=self.state.shapes, cache=self.cache, shape=shape)
 
 

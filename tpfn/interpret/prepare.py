@@ -174,12 +174,13 @@ def _spec(spec, kind, name: str, side: str):
 
 def prepare_inputs(args: tuple, kwargs: dict, spec, mesh, *, names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
-                   cache: dict | None = None) -> tuple:
+                   cache: dict | None = None, first_shape: tuple | None = None) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
 
     ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
     its forward's positional input names, for inputs passed by keyword; ``grads``: the layout
-    of each local input's gradient, by default its layout's cotangent).
+    of each local input's gradient, by default its layout's cotangent; ``first_shape``: input
+    0's global shape where the caller knows it).
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -192,17 +193,18 @@ def prepare_inputs(args: tuple, kwargs: dict, spec, mesh, *, names: tuple = (),
     shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
 
-    def one(x, slot, grad, what):
+    def one(x, slot, grad, what, shape=None):
         return convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
-                       shapes=shapes, cache=cache)
+                       shapes=shapes, cache=cache, shape=shape)
 
     for i, slot in enumerate(spec.slots):
         what = f"input {i} of {where}"
         grad = grads[i] if i < len(grads) else (None if slot.untouched else cotangent(slot.out)[0])
+        shape = first_shape if i == 0 else None
         if i < len(args):
-            args[i] = one(args[i], slot, grad, what)
+            args[i] = one(args[i], slot, grad, what, shape)
         elif i < len(names) and names[i] in kwargs:
-            kwargs[names[i]] = one(kwargs[names[i]], slot, grad, what)
+            kwargs[names[i]] = one(kwargs[names[i]], slot, grad, what, shape)
     for name, slot in spec.kwargs:
         if name in kwargs:
             kwargs[name] = one(kwargs[name], slot, cotangent(slot.out)[0],
@@ -237,6 +239,11 @@ def prepare_outputs(outputs, spec, mesh, *, where: str = "prepare_outputs",
             raise LayoutError(f"{where} returned {n} outputs; the plan prepares "
                               f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
 
+    if spec.keys and not isinstance(outputs, dict):
+        raise LayoutError(
+            f"{where} returned a {type(outputs).__name__}, but the plan lays out outputs by key "
+            f"({', '.join(repr(k) for k, _ in spec.keys)}), which only a dict has; give "
+            "prepare_out one layout per position instead.")
     if isinstance(outputs, dict):
         out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)
         names = list(out)

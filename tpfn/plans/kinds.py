@@ -16,10 +16,12 @@ replicate() >> params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Repli
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch.nn as nn
 
-from tpfn._torch import DropoutNd
+from tpfn._torch import MIXING, DropoutNd
 
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.style.constructors import on_shards, params, prepare_out, replicate
@@ -104,27 +106,38 @@ def _no_renorm(core, module: nn.Embedding, where: str):
             f"sharded; leave it out of the plan (replicated) or build it without {option}.")
 
 
+@functools.lru_cache(maxsize=None)
+def _primitives(row: str, k: int, bias: bool) -> Style:
+    """The composition of primitives a built-in is on a kind (``bias``: the module has one)."""
+    if row == "colwise_linear":
+        rules = {"weight": Shard(0, k), **({"bias": Shard(0, k)} if bias else {})}
+        return replicate() >> params(**rules) >> on_shards(Replicate(), grads=Partial(),
+                                                           output=Shard(-1, k))
+    if row == "rowwise_linear":
+        rules = {"weight": Shard(1, k), **({"bias": Replicate()} if bias else {})}
+        return (replicate() >> params(**rules) >> on_shards(Shard(-1, k), output=Partial())
+                >> prepare_out(Replicate()))
+    if row == "colwise_embedding":
+        return replicate() >> params(weight=Shard(1, k)) >> on_shards(
+            Replicate(), grads=(None,), output=Shard(-1, k))
+    return (replicate() >> params(weight=Shard(0, k))
+            >> on_shards(Replicate(), grads=(None,), output=Partial()) >> prepare_out(Replicate()))
+
+
 def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
-    k = core.parts
-    return Meaning(
-        replicate() >> params(**_present(module, weight=Shard(0, k), bias=Shard(0, k)))
-        >> on_shards(Replicate(), grads=Partial(), output=Shard(-1, k)),
-        local=_own_forward(module, nn.Linear), shape=_linear_shape)
+    return Meaning(_primitives("colwise_linear", core.parts, module.bias is not None),
+                   local=_own_forward(module, nn.Linear), shape=_linear_shape)
 
 
 def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
-    k = core.parts
-    return Meaning(
-        replicate() >> params(**_present(module, weight=Shard(1, k), bias=Replicate()))
-        >> on_shards(Shard(-1, k), output=Partial()) >> prepare_out(Replicate()),
-        local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
-        shape=_linear_shape)
+    return Meaning(_primitives("rowwise_linear", core.parts, module.bias is not None),
+                   local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
+                   shape=_linear_shape)
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
     return _no_renorm(core, module, where) or Meaning(
-        replicate() >> params(weight=Shard(1, core.parts))
-        >> on_shards(Replicate(), grads=(None,), output=Shard(-1, core.parts)),
+        _primitives("colwise_embedding", core.parts, False),
         local=_own_forward(module, nn.Embedding), shape=_embedding_shape)
 
 
@@ -132,12 +145,18 @@ def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
     # DTensor masks padding_idx and counts scale_grad_by_freq over the whole vocabulary.
     plain = module.padding_idx is None and not module.scale_grad_by_freq
     return _no_renorm(core, module, where) or Meaning(
-        replicate() >> params(weight=Shard(0, core.parts))
-        >> on_shards(Replicate(), grads=(None,), output=Partial()) >> prepare_out(Replicate()),
+        _primitives("rowwise_embedding", core.parts, False),
         local=plain and _own_forward(module, nn.Embedding), vocab=True, shape=_embedding_shape)
 
 
 def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
+    if isinstance(module, MIXING) or (
+            isinstance(module, nn.LayerNorm) and len(module.normalized_shape) > 1):
+        return (f"{core!r} at {where}: sequence parallelism runs a module on each position "
+                f"alone, but {type(module).__name__} combines positions (batch statistics, "
+                "groups or windows), so a shard of the sequence gives other numbers; leave it "
+                "out of the plan and hand it the whole sequence (prepare_in(Shard(1), "
+                "desired=Replicate()) on it, or end the sequence-parallel region before it).")
     big = [n for n in owned if module.get_parameter(n).dim() > 1]
     if big:
         return (

@@ -26,6 +26,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from tpfn._torch import assert_async
 from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.interpret.state import recall
@@ -122,6 +123,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
     else:
         x = input
         n_classes = recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
+    if weight is not None and (weight.dim() != 1 or weight.numel() != n_classes):
+        raise ValueError(f"cross_entropy: 'weight' must hold one weight per class, {n_classes} "
+                         f"(got one of shape {tuple(weight.shape)}).")
+    kept = target != ignore_index
+    assert_async(((target >= 0) & (target < n_classes) | ~kept).all(),
+                 f"cross_entropy: a target lies outside the {n_classes} classes (and is not "
+                 f"ignore_index={ignore_index})")
     x = x.movedim(class_dim, -1)
     shape = x.shape[:-1]
     offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())
@@ -132,7 +140,6 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         return losses
     if reduction == "sum":
         return losses.sum()
-    kept = target != ignore_index
     if weight is None:
         return losses.sum() / kept.sum()
     return losses.sum() / weight[torch.where(kept, target, 0)].masked_fill(~kept, 0).sum()
