@@ -72,3 +72,51 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(fresh2):
     waited, message = info.value.results[1]
     assert waited < TIMEOUT + 5
     assert "the all-reduce that moves the output of '2' (Linear)" in message
+
+
+def _fault_in(where: str):
+    """Rank 0 raises just before the collective at ``where``; rank 1's error names it."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=TIMEOUT))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 10))
+    tpfn.parallelize(model, mesh, {"0": tpfn.sequence_parallel(dim=0),
+                                   "1": tpfn.prepare_in(tpfn.Shard(0), desired=tpfn.Replicate())
+                                   >> colwise(local=False)})
+    try:
+        if where == "flush":  # the norm's gradient is in, not yet summed over the ranks
+            model[0].weight.register_post_accumulate_grad_hook(lambda p: _raise_on_0("flush"))
+        logits = model(torch.randn(3, 4))  # this rank's 3 of the 6 positions
+        if where == "loss" and dist.get_rank() == 0:
+            raise ValueError("rank 0 fails before the loss")
+        loss = tpfn.cross_entropy(logits, torch.arange(6))
+        loss.backward()
+        if where == "clip" and dist.get_rank() == 0:
+            raise ValueError("rank 0 fails before clipping")
+        tpfn.clip_grad_norm_(model.parameters(), 1.0)
+    except ValueError:
+        return "raised"
+    except tpfn.CollectiveError as error:
+        return str(error)
+    return "finished"
+
+
+def _raise_on_0(where):
+    if dist.get_rank() == 0:
+        raise ValueError(f"rank 0 fails before the {where}")
+
+
+@pytest.mark.parametrize("where, what", [
+    ("loss", "cross_entropy's all-reduce of the per-token maxima failed"),
+    ("flush", "the all-reduce of the partial gradients of 0.bias, 0.weight at the end of the "
+              "backward failed"),
+    ("clip", "clip_grad_norm_'s all-reduce of the gradients' norm over mesh dim 0 failed"),
+])
+def test_a_fault_before_any_collective_tpfn_issues_is_named_on_the_other_ranks(where, what):
+    """Not only the slots' moves: the loss, the end-of-backward gradient flush and clipping
+    name the collective that failed, within the process group's timeout. (Ranks of their
+    own each time: a timed-out gloo group can leave the pair of ranks out of step.)"""
+    with Ranks(2, grace=2 * TIMEOUT + 5) as ranks:
+        raised, message = ranks.run(_fault_in, where)
+    assert raised == "raised", raised
+    assert message.startswith(f"rank 1: {what}: "), message

@@ -14,6 +14,7 @@ computes. Spec caches belong to their caller (one module on one mesh), never to 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -29,7 +30,7 @@ from tpfn.algebra import chunk_bounds, contiguous_strides, transition
 from tpfn.errors import CollectiveError
 from tpfn.layout import from_torch, to_torch
 
-__all__ = ["move", "placements", "failed", "param_slots", "local_params", "vocab_mask",
+__all__ = ["move", "placements", "failed", "collective", "param_slots", "local_params", "vocab_mask",
            "dropout_slice"]
 
 
@@ -43,12 +44,27 @@ def placements(layout, ndim: int) -> tuple:
 def failed(what: str, src, dst, error: Exception) -> CollectiveError:
     """The error for a collective that failed while moving ``what`` from layout src to dst."""
     kinds = " and ".join(s.collective.replace("_", "-") for s in transition(src, dst) if s.collective)
+    return _failed(f"the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r})", error)
+
+
+def _failed(what: str, error: Exception) -> CollectiveError:
     return CollectiveError(
-        f"rank {dist.get_rank()}: the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r}) "
-        f"failed: {error}. Another rank has most likely failed (its own error says why) or runs "
-        "another plan; the wait is bounded by the process group's timeout "
-        "(init_process_group(timeout=...))."
+        f"rank {dist.get_rank()}: {what} failed: {error}. Another rank has most likely failed "
+        "(its own error says why) or runs another plan; the wait is bounded by the process "
+        "group's timeout (init_process_group(timeout=...))."
     )
+
+
+@contextlib.contextmanager
+def collective(what: str):
+    """Inside, a collective that fails raises a ``CollectiveError`` naming ``what`` it served
+    (``"the all-reduce of cross_entropy's per-token maxima"``)."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        raise _failed(what, error) from error
 
 
 def _first_order(what: str) -> None:

@@ -238,6 +238,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
         sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
-                state.partial_grads.watch(sub.get_parameter(name))
+                state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub)
     return module

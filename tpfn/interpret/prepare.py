@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tpfn._torch import keep_mesh
 from tpfn.algebra import contiguous_strides, cotangent
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import failed, move, placements
+from tpfn.interpret.moves import collective, failed, move, placements
 from tpfn.interpret.state import Shapes
 from tpfn.layout import Shard, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
@@ -59,7 +59,8 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
                 )
             out[name] = param
             continue
-        dt = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank)
+        with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}"):
+            dt = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank)
         out[name] = keep_mesh(nn.Parameter(dt, requires_grad=param.requires_grad), mesh)
     return out
 

@@ -28,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
 from tpfn._torch import WeakTensorKeyDictionary, queue_callback
+from tpfn.interpret.moves import collective
 
 __all__ = ["State", "Shapes", "PartialGrads", "TENSOR_SHAPES", "recall"]
 
@@ -90,9 +91,12 @@ class PartialGrads:
     def __init__(self):
         self.pending: list = []
         self.reduced: dict = {}  # id(param) -> the placements its gradient was reduced from
+        self.names: dict = {}  # id(param) -> its name in the model
 
-    def watch(self, param) -> None:
-        """Reduce ``param``'s partial gradients in bulk at the end of each backward."""
+    def watch(self, param, name: str) -> None:
+        """Reduce ``param``'s (called ``name``) partial gradients in bulk at the end of each
+        backward."""
+        self.names[id(param)] = name
         param.register_hook(lambda grad: self._accumulating(param, grad))
         param.register_post_accumulate_grad_hook(self._accumulated)
 
@@ -128,9 +132,12 @@ class PartialGrads:
             grads = [p.grad for p in params]
             mesh = grads[0].device_mesh
             flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+            names = ", ".join(self.names.get(id(p), "?") for p in params)
             for dim, placement in enumerate(placements):
                 if placement.is_partial() and mesh.size(dim) > 1:
-                    flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+                    with collective(f"the all-reduce of the partial gradients of {names} at the "
+                                    "end of the backward"):
+                        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
             replicated = [Replicate() if p.is_partial() else p for p in placements]
             for param, grad, piece in zip(params, grads, flat.split([g.to_local().numel() for g in grads])):
                 param.grad = DTensor.from_local(piece.view_as(grad.to_local()), mesh, replicated,

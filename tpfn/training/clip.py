@@ -16,12 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from tpfn.interpret.moves import collective
+
 __all__ = ["clip_grad_norm_"]
 
 
 def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:
     for dim in dims:  # one mesh dim at a time: sums and maxima are associative
-        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        with collective(f"clip_grad_norm_'s all-reduce of the gradients' norm over mesh dim {dim}"):
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     return value
 
 

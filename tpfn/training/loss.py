@@ -29,13 +29,15 @@ from torch.distributed.tensor import DTensor
 from tpfn._torch import assert_async
 from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
+from tpfn.interpret.moves import collective
 from tpfn.interpret.state import recall
 
 __all__ = ["cross_entropy"]
 
 
-def _reduce(t: torch.Tensor, op: str, mesh) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_reduce(t, op, (mesh, 0)))
+def _reduce(t: torch.Tensor, op: str, mesh, what: str) -> torch.Tensor:
+    with collective(f"cross_entropy's all-reduce of {what}"):
+        return funcol.wait_tensor(funcol.all_reduce(t, op, (mesh, 0)))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -54,14 +56,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         inside = (target >= offset) & (target < offset + local) & ~ignored
         picked = torch.where(inside, target - offset, 0).unsqueeze(-1)
-        high = _reduce(x.amax(dim=-1), "max", mesh)
+        high = _reduce(x.amax(dim=-1), "max", mesh, "the per-token maxima")
         shifted = x - high.unsqueeze(-1)
         exp = shifted.exp()
         w = weight[offset:offset + local] if weight is not None else None
         stats = [exp.sum(-1), torch.where(inside, shifted.gather(-1, picked).squeeze(-1), 0)]
         if eps:
             stats.append((shifted * w).sum(-1) if w is not None else shifted.sum(-1))
-        stats = _reduce(torch.stack(stats), "sum", mesh)
+        stats = _reduce(torch.stack(stats), "sum", mesh, "the per-token sums")
         lse = stats[0].log()
         w_y = weight[torch.where(ignored, 0, target)] if weight is not None else 1.0
         w_total = weight.sum() if weight is not None else n_classes
