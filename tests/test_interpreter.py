@@ -26,7 +26,7 @@ import tpfn
 from tests.models import clone, full, rel_err
 from tests.ranks import Ranks, mesh
 from tpfn import (
-    Partial, Replicate, Shard, colwise, on_shards, prepare_in, prepare_out, replicate,
+    Partial, PlanError, Replicate, Shard, colwise, on_shards, prepare_in, prepare_out, replicate,
     rowwise, sequence_parallel,
 )
 
@@ -336,3 +336,47 @@ def test_a_users_forward_hook_sees_the_rowwise_output_summed(ranks2):
     DTensor output would be; so the steered output, the captured activation and every
     gradient match one device."""
     assert _too_far(*ranks2.run(_steered)) == {}
+
+
+# 6. A module kind of the user's own says what a built-in means for it.
+
+
+class Proj(nn.Module):
+    """A linear layer that stores its weight (in, out) and says what colwise() and rowwise()
+    mean for it, and that sequence parallelism does not apply to it."""
+
+    tpfn_rows = {
+        "colwise": lambda core, module, where, owned: (
+            tpfn.params(w=Shard(1)) >> on_shards(Replicate(), grads=Partial(), output=Shard(-1))),
+        "rowwise": lambda core, module, where, owned: (
+            tpfn.params(w=Shard(0)) >> on_shards(Shard(-1), output=Partial())
+            >> prepare_out(Replicate())),
+        "sequence_parallel": lambda core, module, where, owned: f"{core!r} at {where}: no.",
+    }
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def _own_rows() -> dict:
+    torch.manual_seed(0)
+    ref = nn.Sequential(Proj(4, 8), nn.ReLU(), Proj(8, 4))
+    tp = tpfn.parallelize(clone(ref), mesh(2), {"0": colwise(), "2": rowwise()})
+    x = torch.randn(3, 4)
+    out, expected = tp(x), ref(x)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    return _errors(tp, ref, out, expected)
+
+
+def test_a_module_kinds_own_rows_say_what_the_built_ins_mean_for_it(ranks2):
+    """``tpfn_rows`` on the class: ``colwise()``/``rowwise()`` on it take the same path as
+    the built-in kinds (local shards, one all-reduce), output and gradients as one device;
+    a row may refuse, by name."""
+    assert _too_far(*ranks2.run(_own_rows)) == {}
+    with pytest.raises(PlanError, match=r"sequence_parallel\(\) at '0' \(Proj\): no\."):
+        tpfn.resolve({"0": sequence_parallel()}, nn.Sequential(Proj(4, 4)))

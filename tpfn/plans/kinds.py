@@ -183,7 +183,16 @@ TABLE = {
 
 def meaning(core, module: nn.Module, where: str, owned: tuple):
     """The ``Meaning`` of ``core`` on ``module`` (``owned``: the names of the parameters its
-    style governs), or a sentence saying why it has none."""
+    style governs), or a sentence saying why it has none.
+
+    A module kind of the user's own carries its rows as a class attribute, ``tpfn_rows =
+    {"colwise": row, ...}``: each ``row(core, module, where, owned)`` returns a style of
+    primitives (or a ``Meaning``, or a sentence refusing), and comes before the table's.
+    """
+    row = getattr(type(module), "tpfn_rows", {}).get(core.kind)
+    if row is not None:
+        found = row(core, module, where, owned)
+        return Meaning(found) if isinstance(found, Style) else found
     for kind, row in TABLE[core.kind]:
         if isinstance(module, kind):
             return row(core, module, where, owned)
