@@ -3,10 +3,16 @@
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) each process initializes the process
 group and runs the function. Run as a plain script, it starts the processes itself on
 127.0.0.1 (gloo on CPU, NCCL when each process has a GPU).
+
+The process group's timeout bounds how long a rank waits for a peer that never arrives
+(PyTorch's default is 10 minutes for NCCL and 30 for gloo): ``TPFN_TIMEOUT`` seconds, 300
+unless set. A rank that waits that long fails with a ``tpfn.CollectiveError`` naming the
+module and the collective.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -22,7 +28,8 @@ def device_type() -> str:
 def _init() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TPFN_TIMEOUT", 300)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
 
 
 def _worker(rank: int, world_size: int, port: int, main, args) -> None:
