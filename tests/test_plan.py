@@ -124,3 +124,25 @@ def test_bindings_follow_module_order():
                     "layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "output"]
     assert dict((b.fqn, b.style) for b in resolve(transformer_plan(sp=False), model))["output"] == \
         colwise() >> prepare_out(Replicate())
+
+
+def test_a_plan_for_the_model_around_this_one_says_which_prefix_to_drop():
+    """A ``...ForCausalLM`` plan on its ``.model``: one problem naming the prefix, not one per
+    rule; a rule that matches nothing for another reason keeps its own."""
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(PlanError) as info:
+        resolve({"model.0": colwise(), "model.1": rowwise(), "lm_head": colwise()}, inner)
+    assert info.value.problems[0].startswith("'lm_head' -> colwise() matches no module")
+    assert info.value.problems[1] == (
+        "2 patterns start with 'model.', which this module does not have, and match once it is "
+        "dropped: the plan is for a model that holds this one as 'model'; pass that model, or "
+        "the plan's rules under 'model.' (e.g. '0').")
+    assert len(info.value.problems) == 2
+
+
+def test_a_pytorch_style_in_a_plan_names_from_torch():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(TypeError, match=r"plan\['0'\] is PyTorch's ColwiseParallel\(\.\.\.\), not a "
+                                        r"tpfn style; convert the whole plan with tpfn.from_torch"):
+        resolve({"0": ColwiseParallel()}, nn.Sequential(nn.Linear(2, 2)))

@@ -57,6 +57,10 @@ def _flatten(mapping, prefix: str = "") -> list:
             out.extend(_flatten(value, key))
         elif isinstance(value, Style):
             out.append((key, value))
+        elif type(value).__module__.startswith("torch.distributed.tensor.parallel"):
+            raise TypeError(
+                f"plan[{pattern!r}] is PyTorch's {type(value).__name__}(...), not a tpfn style; "
+                "convert the whole plan with tpfn.from_torch(plan), which keeps its meaning.")
         else:
             raise TypeError(
                 f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) or "
@@ -117,6 +121,24 @@ def as_plan(value) -> Plan:
     return plan(value)
 
 
+def _prefixed(rules, modules: dict, found: list) -> list:
+    """The problems, with every pattern that matches nothing because the plan names the
+    modules under a prefix this module lacks (a ``...ForCausalLM`` plan on its ``.model``)
+    said once, as the prefix to drop."""
+    unmatched = [p for p, _ in rules if "." in p and not any(matches(p, f) for f in modules)]
+    heads = [p.split(".")[0] for p in unmatched]
+    head = max(set(heads), key=heads.count, default=None)
+    missing = [p for p in unmatched if p.split(".")[0] == head]
+    rest = [p[len(head) + 1:] for p in missing]
+    if len(missing) < 2 or not all(any(matches(r, f) for f in modules) for r in rest):
+        return found
+    kept = [f for f in found if not any(f.startswith(f"{p!r} -> ") for p in missing)]
+    return kept + [f"{len(missing)} patterns start with {head + '.'!r}, which this module does "
+                   f"not have, and match once it is dropped: the plan is for a model that holds "
+                   f"this one as {head!r}; pass that model, or the plan's rules under "
+                   f"{head + '.'!r} (e.g. {rest[0]!r})."]
+
+
 def resolve(plan_like, module: nn.Module) -> tuple:
     """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
     one ``PlanError`` listing every problem."""
@@ -135,6 +157,7 @@ def resolve(plan_like, module: nn.Module) -> tuple:
             found.append(f"{pattern!r} -> {style!r} matches no module{hint}")
         for fqn in hits:
             bound.setdefault(fqn, []).append((pattern, style))
+    found = _prefixed(rules, modules, found)
     folded = []
     order = {fqn: i for i, fqn in enumerate(modules)}
     below: dict = {}  # fqn -> the relative names of the bound modules under it
