@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -12,7 +13,7 @@ import tpfn
 from tests.models import full
 from tests.ranks import mesh
 from tests.test_on_shards import GatedMLP
-from tpfn import checkpoint, colwise, rowwise
+from tpfn import Replicate, checkpoint, colwise, prepare_in, prepare_out, replicate, rowwise
 
 PLAN = {"gate_up": colwise(parts=2), "down": rowwise()}
 
@@ -126,7 +127,6 @@ def test_a_swap_cut_between_its_renames_still_loads(tmp_path):
     fresh = nn.Linear(3, 3)
     checkpoint.load(tmp_path / "ckpt", fresh)
     assert torch.equal(fresh.weight, model.weight)
-    import pytest
     with pytest.raises(FileNotFoundError, match="no checkpoint at .*nowhere"):
         checkpoint.load(tmp_path / "nowhere", fresh)
 
@@ -144,3 +144,101 @@ def test_a_plain_checkpoint_loads_into_packed_shards(ranks2, tmp_path):
     saved, _ = ranks2.run(_save_plain, path)
     for state, _ in ranks2.run(_load, path, 2):
         assert _same(saved, state) == []
+
+
+# Issue 13: every packing of the fused gate_up loads into every other, at any degree.
+# "packed" stores gate_up as its 2 parts; the others store it whole.
+LAYOUTS = {
+    "packed": PLAN,                                                      # Shard(0, parts=2)
+    "plain": {"gate_up": colwise() >> prepare_out(Replicate())},         # Shard(0)
+    "replicated": {"gate_up": prepare_in(Replicate()) >> replicate() >> prepare_out(Replicate())},
+    "unparallelized": None,
+}
+
+
+def _laid_out(layout: str, seed: int):
+    torch.manual_seed(seed)
+    model = GatedMLP(dim=8, hidden=12)
+    if LAYOUTS[layout] is not None and dist.is_initialized():
+        tpfn.parallelize(model, mesh(dist.get_world_size()), LAYOUTS[layout])
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _save_layouts(directory):
+    """Each layout, trained a step, saved to ``directory/LAYOUT-tpN``; its full state."""
+    saved = {}
+    for layout in LAYOUTS:
+        model, opt = _laid_out(layout, seed=0)
+        # The export is the module's own state: the true full tensors, as plain tensors.
+        assert _same(_laid_out("unparallelized", seed=0)[0].state_dict(),
+                     checkpoint.full_state_dict(model)) == [], layout
+        _train(model, opt, 1, seed=1)
+        checkpoint.save(os.path.join(directory, f"{layout}-tp{dist.get_world_size()}"), model, opt)
+        saved[layout] = _full_state(model, opt)
+        saved[layout]["exported"] = checkpoint.full_state_dict(model)
+    return saved
+
+
+def _load_layouts(directory, saved_tp):
+    """Every checkpoint of ``_save_layouts`` at ``saved_tp`` loaded into every layout."""
+    loaded = {}
+    for src in LAYOUTS:
+        for dst in LAYOUTS:
+            model, opt = _laid_out(dst, seed=2)  # other numbers than the saved ones
+            checkpoint.load(os.path.join(directory, f"{src}-tp{saved_tp}"), model, opt)
+            loaded[src, dst] = _full_state(model, opt)
+    return loaded
+
+
+def _checked(saved: dict, loaded: dict, where: str) -> list:
+    """The (source, target, key) whose loaded value is not the saved one, bit for bit."""
+    wrong = []
+    for (src, dst), state in loaded.items():
+        expected = {k: v for k, v in saved[src].items() if k != "exported"}
+        assert set(state) == set(expected), (where, src, dst)
+        wrong += [(where, src, dst, k) for k in _same(expected, state)]
+    return wrong
+
+
+def test_every_packing_loads_into_every_other_at_tp1_2_and_4(ranks2, ranks4, tmp_path):
+    directory = str(tmp_path)
+    saved = {2: ranks2.run(_save_layouts, directory)[0], 4: ranks4.run(_save_layouts, directory)[0]}
+    for tp, states in saved.items():
+        for layout, state in states.items():  # the export is still the gathered model
+            exported = state["exported"]
+            assert all(not isinstance(v, DTensor) for v in exported.values())
+            assert _same({k: state[k] for k in exported}, exported) == [], (tp, layout)
+    for tp in (2, 4):  # packed: stored as its parts; the others whole
+        for layout in LAYOUTS:
+            keys = dcp.FileSystemReader(os.path.join(directory, f"{layout}-tp{tp}")) \
+                .read_metadata().state_dict_metadata
+            assert ("model.gate_up.weight.part1_of_2_dim0" in keys) == (layout == "packed")
+            assert ("model.gate_up.weight" in keys) == (layout != "packed")
+    wrong = []
+    for saved_tp in (2, 4):
+        for tp, ranks in ((2, ranks2), (4, ranks4)):
+            wrong += _checked(saved[saved_tp], ranks.run(_load_layouts, directory, saved_tp)[0],
+                              f"tp{saved_tp}->tp{tp}")
+        # One process, no process group: a plain module.
+        for src in LAYOUTS:
+            model, opt = _laid_out("unparallelized", seed=2)
+            checkpoint.load(os.path.join(directory, f"{src}-tp{saved_tp}"), model, opt)
+            wrong += _checked(saved[saved_tp], {(src, "one process"): _full_state(model, opt)},
+                              f"tp{saved_tp}->1")
+    assert wrong == []
+
+
+def _save_packed(path):
+    checkpoint.save(path, _laid_out("packed", seed=0)[0])
+
+
+def test_parts_that_do_not_make_the_model_s_tensor_are_refused_by_name(ranks2, tmp_path):
+    path = str(tmp_path / "packed")
+    ranks2.run(_save_packed, path)
+    smaller = GatedMLP(dim=8, hidden=10)
+    with pytest.raises(ValueError, match=r"the checkpoint holds 'model.gate_up.weight' as 2 parts "
+                                         r"of shapes \[\(12, 8\), \(12, 8\)\] \(along dim 0\), which "
+                                         r"do not make the model's \(20, 8\): load it into a model "
+                                         r"of the architecture that saved it"):
+        checkpoint.load(path, smaller)
+

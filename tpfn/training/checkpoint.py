@@ -5,7 +5,12 @@ and layout, so it loads into a model parallelized over another number of ranks, 
 plain module in one process (DCP reshards on load). Optimizer state travels with the model.
 
 A packed shard (``Shard(dim, parts=k)``, a fused gate and up projection) is stored as its
-``k`` parts, each an ordinary shard, so it too loads at any degree, packed or not.
+``k`` parts, each an ordinary shard. Any layout loads into any other, exactly: a tensor
+stored as parts loads part by part into views of a packed, replicated, otherwise sharded or
+plain tensor; where no such view exists (parts loaded into a ``Shard(dim)`` without the
+packing, a whole tensor loaded into a packed one) each rank reads the full tensor into a
+temporary buffer and copies its shard out of it. Parts that do not make the model's tensor
+are refused by name.
 
 A save is atomic: it writes ``PATH.partial`` and only a finished write replaces ``PATH``
 (the old one is kept as ``PATH.previous`` until the swap completes), so a save interrupted
@@ -18,13 +23,13 @@ checkpoint with ``model.save_pretrained(dir, state_dict=...)``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,13 +74,23 @@ def _part_views(value, dim: int, parts: int) -> dict:
     if isinstance(value, DTensor):
         shape = list(value.shape)
         shape[dim] //= parts
-        chunks = value.to_local().chunk(parts, dim)
+        chunks = value.to_local().tensor_split(parts, dim)
         views = [DTensor.from_local(c, value.device_mesh, [Shard(dim)], run_check=False,
                                     shape=torch.Size(shape), stride=contiguous_strides(shape))
                  for c in chunks]
     else:
         views = value.chunk(parts, dim)
-    return {f"part{i}_of_{parts}_dim{dim}": v for i, v in enumerate(views)}
+    return _keyed(views, dim)
+
+
+def _keyed(views, dim: int) -> dict:
+    return {f"part{i}_of_{len(views)}_dim{dim}": v for i, v in enumerate(views)}
+
+
+def _whole_along(value, dim: int) -> bool:
+    """Whether every rank holds ``value``'s whole extent along ``dim`` (no placement splits it)."""
+    return all(not (p.is_shard() or isinstance(p, StridedShard)) or p.dim % value.ndim != dim
+               for p in value.placements)
 
 
 def _as_saved(tree):
@@ -86,22 +101,83 @@ def _as_saved(tree):
     return _part_views(tree, *packing) if packing else tree
 
 
-def _as_stored(tree, keys: set, prefix: str, later: list):
-    """The state shaped as the checkpoint stores it: parts where it stored parts; a full
-    buffer (copied in ``later``) where it stored a packed tensor whole."""
+_PART = re.compile(r"(.+)\.part(\d+)_of_(\d+)_dim(\d+)")
+
+
+def _parts_index(metadata: dict) -> dict:
+    """By tensor key, the parts the checkpoint stores it as: {(part, parts, dim): size}."""
+    index: dict = {}
+    for k, v in metadata.items():
+        m = _PART.fullmatch(k)
+        if m and hasattr(v, "size"):
+            index.setdefault(m.group(1), {})[tuple(map(int, m.groups()[1:]))] = v.size
+    return index
+
+
+def _stored_parts(key: str, index: dict):
+    """(dim, parts, their sizes) where the checkpoint stores ``key`` as parts, else None."""
+    found = index.get(key)
+    if not found:
+        return None
+    packings = {(parts, dim) for _, parts, dim in found}
+    parts, dim = min(packings)
+    sizes = [found.get((i, parts, dim)) for i in range(parts)]
+    if len(packings) != 1 or None in sizes:
+        raise ValueError(f"the checkpoint holds {key!r} as parts {sorted(found)} (part, of, "
+                         f"dim), not one complete set: it is damaged, save it again.")
+    return dim, parts, sizes
+
+
+def _as_stored(tree, metadata: dict, index: dict, prefix: str, later: list):
+    """The state shaped as the checkpoint stores it: parts where it stored parts, the tensor
+    whole where it stored it whole. Where the model's layout cannot be viewed that way (a
+    tensor stored as parts of dim ``d``, loaded sharded along ``d`` without that packing;
+    one stored whole, loaded packed), a full buffer is read instead and ``later`` copies
+    this rank's shard of it into the tensor."""
     if isinstance(tree, dict):
-        return {k: _as_stored(v, keys, f"{prefix}{k}.", later) for k, v in tree.items()}
+        return {k: _as_stored(v, metadata, index, f"{prefix}{k}.", later) for k, v in tree.items()}
+    if not isinstance(tree, torch.Tensor):
+        return tree
     key = prefix[:-1]
-    stored = sorted(k[len(key) + 1:] for k in keys if k.startswith(key + ".part"))
+    stored = _stored_parts(key, index)
     if stored:
-        parts, dim = map(int, stored[0].split("_of_")[1].split("_dim"))
-        return _part_views(tree, dim, parts)
-    packing = _packing(tree)
-    if packing:
-        buffer = torch.empty(tree.shape, dtype=tree.dtype, device=tree.to_local().device)
-        later.append((tree, buffer, packing))
-        return buffer
+        dim, parts, sizes = stored
+        shape = list(tree.shape)
+        if dim >= tree.ndim or any(
+                list(s[:dim]) + list(s[dim + 1:]) != shape[:dim] + shape[dim + 1:] for s in sizes) \
+                or sum(s[dim] for s in sizes) != shape[dim]:
+            raise ValueError(
+                f"the checkpoint holds {key!r} as {parts} parts of shapes "
+                f"{[tuple(s) for s in sizes]} (along dim {dim}), which do not make the model's "
+                f"{tuple(shape)}: load it into a model of the architecture that saved it.")
+        if not isinstance(tree, DTensor):
+            return _keyed(tree.split([s[dim] for s in sizes], dim), dim)
+        if _packing(tree) == (dim, parts) and len(set(s[dim] for s in sizes)) == 1:
+            return _part_views(tree, dim, parts)
+        if _whole_along(tree, dim):  # replicated, or sharded along another dim
+            local = tree.to_local().split([s[dim] for s in sizes], dim)
+            return _keyed([DTensor.from_local(c, tree.device_mesh, tree.placements,
+                                              run_check=False, shape=torch.Size(s),
+                                              stride=contiguous_strides(list(s)))
+                           for c, s in zip(local, sizes)], dim)
+        buffer = _buffer(tree, later)
+        return _keyed(buffer.split([s[dim] for s in sizes], dim), dim)
+    if _packing(tree) and key in metadata:
+        return _buffer(tree, later)
     return tree
+
+
+def _buffer(tree, later: list) -> torch.Tensor:
+    buffer = torch.empty(tree.shape, dtype=tree.dtype, device=tree.to_local().device)
+    later.append((tree, buffer))
+    return buffer
+
+
+def _copy_shard(target, buffer) -> None:
+    """Copy this rank's shard of the full ``buffer`` into the DTensor ``target`` (no
+    communication: every rank holds the whole buffer)."""
+    mine = distribute_tensor(buffer, target.device_mesh, target.placements, src_data_rank=None)
+    target.to_local().copy_(mine.to_local())
 
 
 def save(path, model, optimizer=None) -> None:
@@ -133,8 +209,9 @@ def save(path, model, optimizer=None) -> None:
 def load(path, model, optimizer=None) -> None:
     """Read the checkpoint at ``path`` into ``model`` (and ``optimizer``), in place.
 
-    The model may be parallelized over any number of ranks, or not at all. When a save was
-    interrupted between its two renames, the previous checkpoint is read.
+    The model may be parallelized over any number of ranks, in any packing, or not at all.
+    When a save was interrupted between its two renames, the previous checkpoint is read.
+    Raises ``ValueError`` naming the tensor when its stored parts do not make the model's.
     """
     path = os.fspath(path)
     if not os.path.exists(path) and os.path.exists(path + ".previous"):
@@ -142,13 +219,11 @@ def load(path, model, optimizer=None) -> None:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r} (nor a previous one beside it).")
     states = _states(model, optimizer)
-    keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     later: list = []
-    dcp.load(_as_stored(states, keys, "", later), checkpoint_id=path)
-    for packed, buffer, (dim, parts) in later:  # a packed tensor stored whole
-        mesh = packed.device_mesh
-        mine = [p.chunk(mesh.size(), dim)[mesh.get_local_rank()] for p in buffer.chunk(parts, dim)]
-        packed.to_local().copy_(torch.cat(mine, dim))
+    dcp.load(_as_stored(states, metadata, _parts_index(metadata), "", later), checkpoint_id=path)
+    for target, buffer in later:  # stored in another packing than the model's
+        _copy_shard(target, buffer)
     if optimizer is None:
         set_model_state_dict(model, states["model"])
     else:
