@@ -9,6 +9,7 @@ from tpfn.adapters.from_hf import from_hf
 from tpfn.adapters.from_torch import from_torch
 from tpfn.dryrun.explain import explain
 from tpfn.dryrun.report import Report
+from tpfn.dryrun.verify import verify
 from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.interpret.prepare import prepare_inputs, prepare_outputs, shard_params
@@ -37,7 +38,7 @@ __all__ = [
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
     "from_hf",
-    "explain", "Report",
+    "explain", "Report", "verify",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "record", "rng", "trace",
 ]

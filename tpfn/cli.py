@@ -1,4 +1,6 @@
-"""The command line: ``tpfn explain MODEL PLAN --world-size N --input SHAPE``.
+"""The command line: ``tpfn explain MODEL PLAN --world-size N --input SHAPE``, and
+``tpfn verify MODEL PLAN --world-size N --input SHAPE`` (the plan run on N real ranks and
+compared with one device; exit status 0 when every number agrees, else 1, the report printed).
 
 ``MODEL`` and ``PLAN`` are import paths, ``package.module:name`` (or ``package.module.name``):
 a module or a plan, or a function that returns one when called without arguments. Shapes
@@ -33,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from tpfn.dryrun import explain
+from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError
 
 __all__ = ["main"]
@@ -105,7 +108,35 @@ def _parser() -> argparse.ArgumentParser:
                    help="stand-in value of a named size")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", metavar="FILE", help="write the report as a self-contained HTML page")
+    v = commands.add_parser("verify", help="run a plan on N real ranks and compare every number "
+                            "with one device", description="Run the plan on N gloo ranks (forked "
+                            "processes) and compare each module's output and every gradient with "
+                            "one device. Exit status 0 when they agree, 1 when not.")
+    v.add_argument("model", help="import path of a module or a function returning one")
+    v.add_argument("plan",
+                   help="import path of a plan (dict, plan(), style) or a function returning one")
+    v.add_argument("--world-size", type=int, default=2, help="ranks (2)")
+    v.add_argument("--input", action="append", type=_shape, default=[], metavar="SHAPE",
+                   help="an input's shape, e.g. 8,1024 (repeat for more inputs)")
+    v.add_argument("--dtype", type=_dtype, default=torch.int64, help="dtype of the inputs (int64)")
+    v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     return parser
+
+
+def _verify(parser, args, model, plan) -> int:
+    if not args.input:
+        parser.error("verify needs the example inputs' shapes: --input 2,128 (repeat for more)")
+    if any(not isinstance(d, int) for shape in args.input for d in shape):
+        parser.error("verify runs real ranks: give --input sizes as numbers, not names")
+    try:
+        report = verify(model, plan, tuple(args.input), world_size=args.world_size,
+                        dtype=args.dtype, tolerance=args.tolerance, seed=args.seed)
+    except (PlanError, ValueError, TypeError) as e:
+        print(f"tpfn verify: {e}", file=sys.stderr)
+        return 1
+    print(report)
+    return 0 if report.ok else 1
 
 
 def main(argv=None) -> int:
@@ -127,6 +158,8 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if not isinstance(model, nn.Module):
         parser.error(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
+    if args.command == "verify":
+        return _verify(parser, args, model, plan)
     try:
         report = explain(model, plan, world_size=args.world_size,
                          example_inputs=tuple(args.input) or None, dtype=args.dtype,

@@ -1,0 +1,607 @@
+"""``verify``: run a plan on N real ranks in one call and compare every number with one device.
+
+The parent process runs the unsharded model; ``world_size`` forked child processes, one per
+rank, form a gloo group on 127.0.0.1 over a TCP store that the parent hosts on a free port,
+each parallelize its own copy of the model (the parent's weights, so ``src_rank=None``) and
+run the same forward and backward. Forward hooks on every module record what it takes and
+hands on (a local shard in the layout its style declares, a DTensor in its own); the parent
+puts the shards together and compares each module's output and each parameter's gradient
+with one device's. The first module whose inputs agree and whose output does not is named.
+
+Children are forked, not spawned: the model's class may live in ``__main__``, a notebook or
+a docs page, and the plan may hold functions, none of which a spawned process could import.
+Each child builds a private process group (the parent's own default group, if any, is left
+alone) and ends with ``os._exit``; the parent waits a bounded time, then kills and reaps
+every child, whatever happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Mapping
+from multiprocessing.connection import Pipe, wait
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tpfn._fqn import describe
+from tpfn._torch import ProcessGroup, register_process_group
+from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
+from tpfn.plans.plan import resolve
+
+__all__ = ["verify", "Verification", "Check"]
+
+TOLERANCE = 1e-4
+"""float32 keeps 24 bits (eps 1.2e-7). A sharded matmul sums its products in another order
+and an all-reduce adds partial sums, so each element moves by a few eps times the square
+root of the reduction length: about 1e-6 of the tensor's norm for reductions of 10^4 terms,
+through a few layers. A plan that splits heads, packs or places anything wrongly moves the
+numbers by 1e-2 to 1. 1e-4 sits between the two; bfloat16 models need about 1e-2."""
+
+
+@attrs.frozen
+class Check:
+    """One module: its style, and the largest relative error (``||a - b|| / ||b||``) of its
+    output and of each of its own parameters' gradients against one device (None: not compared)."""
+
+    fqn: str
+    kind: str
+    style: object = None
+    output: float | None = None
+    grads: tuple = ()
+    ran: bool = True
+
+    @property
+    def grad(self) -> float | None:
+        errs = [e for _, e in self.grads if e is not None]
+        return max(errs) if errs else None
+
+    def diverges(self, tolerance: float) -> bool:
+        return any(e is not None and not e <= tolerance for e in (self.output, self.grad))
+
+
+@attrs.frozen
+class Verification:
+    """What ``verify`` found; ``ok`` when every output and gradient is within ``tolerance``.
+
+    ``checks`` are per module in execution order; ``culprit`` names the first module whose
+    inputs agree with one device and whose output does not (or, if every output agrees, the
+    last one whose gradients do not); ``failure`` says which rank raised, where and what."""
+
+    world_size: int
+    tolerance: float
+    inputs: tuple
+    checks: tuple = ()
+    culprit: str | None = None
+    hint: str | None = None
+    failure: str | None = None
+    trace: str | None = attrs.field(default=None, repr=False)  # the failing rank's traceback
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and not any(c.diverges(self.tolerance) for c in self.checks)
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
+        lines = [f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
+                 f"tolerance {self.tolerance:g} (relative)"]
+        if self.failure is not None:
+            lines.append(f"FAILED: {self.failure}")
+        elif self.ok:
+            lines.append("ok: every output and parameter gradient agrees with one device")
+        else:
+            lines.append(f"DIVERGES: {self.hint}")
+        if self.checks:
+            table = [("module", "style", "output", "gradients")]
+            for c in self.checks:
+                worst = max((g for g in c.grads if g[1] is not None), key=lambda g: g[1], default=None)
+                grads = "-" if worst is None else f"{_fmt(worst[1])} {worst[0]}"
+                mark = "  <- diverges here" if c.fqn == self.culprit else ""
+                table.append((f"{c.fqn or '<root>'} ({c.kind})", "-" if c.style is None else repr(c.style),
+                              _fmt(c.output) if c.ran else "not run", grads + mark))
+            widths = [max(len(row[i]) for row in table) for i in range(3)]
+            lines.append("")
+            lines += ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]).rstrip() for r in table]
+        return "\n".join(lines)
+
+
+def _fmt(e: float | None) -> str:
+    return "-" if e is None else "0" if e == 0 else f"{e:.1e}"
+
+
+# -- what a module takes and hands on ------------------------------------------------------
+
+
+def _tensors(x) -> list:
+    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item)]
+
+
+def _layout(x, slots: tuple, i: int):
+    """(local value, layout or None) of one tensor: a DTensor's own layout, else the slot's."""
+    if isinstance(x, DTensor):
+        return x.to_local().detach().clone(), from_torch(x.placements)[0]
+    slot = slots[i] if i < len(slots) else None
+    layout = None if slot is None or slot.untouched else slot.out if slot.desired is not None \
+        else slot.given
+    return x.detach().clone(), layout
+
+
+def _record(model: nn.Module, seen: dict, order: list) -> None:
+    """Hooks on every module: ``seen[fqn]`` gets ``(inputs, outputs)`` per call."""
+    for fqn, sub in model.named_modules():
+        def pre(module, args, kwargs, fqn=fqn):
+            if fqn not in seen:
+                order.append(fqn)
+            mount = mounted(module)
+            slots = mount.inputs.slots if mount is not None else ()
+            seen.setdefault(fqn, []).append(
+                [[_layout(x, slots, i) for i, x in enumerate(_tensors((args, kwargs)))], None])
+
+        def post(module, args, kwargs, out, fqn=fqn):
+            mount = mounted(module)
+            slots = mount.outputs.slots if mount is not None else ()
+            seen[fqn][-1][1] = [_layout(x, slots, i) for i, x in enumerate(_tensors(out))]
+
+        sub.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+        sub.register_forward_hook(post, with_kwargs=True)
+
+
+def _grads(model: nn.Module) -> dict:
+    """``{name: (local gradient, layout) or None}`` of every parameter."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = None if g is None else (g.to_local().clone(), from_torch(g.placements)[0]) \
+            if isinstance(g, DTensor) else (g.clone(), Replicate())
+    return out
+
+
+def _assemble(pieces: list, ref: torch.Tensor):
+    """The global values the ranks' pieces stand for (one per rank when replicated), or None."""
+    if ref is None or any(p is None for p in pieces):
+        return None
+    local, layout = [p[0] for p in pieces], pieces[0][1]
+    if layout is None:  # a plain tensor of no declared layout: whole, or one dim split
+        if all(t.shape == ref.shape for t in local):
+            return local
+        dims = [d for d in range(ref.ndim) if local[0].ndim == ref.ndim and local[0].shape[d] != ref.shape[d]]
+        whole = torch.cat(local, dims[0]) if len(dims) == 1 else None
+        return [whole] if whole is not None and whole.shape == ref.shape else None
+    if isinstance(layout, Replicate):
+        return local
+    if isinstance(layout, Partial):
+        stack = torch.stack(local)
+        return [{"sum": stack.sum, "avg": stack.mean, "max": lambda d: stack.amax(d),
+                 "min": lambda d: stack.amin(d)}[layout.op](0)]
+    d, k = layout.dim % ref.ndim, layout.parts
+    return [torch.cat([torch.cat([t.chunk(k, d)[p] for t in local], d) for p in range(k)], d)]
+
+
+def _error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``||a - b|| / ||b||``, with ``||b||`` at least ``floor`` per element (see ``_checks``)."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach().double(), b.detach().double()
+    diff, norm = (a - b).norm().item(), max(b.norm().item(), floor * b.numel() ** 0.5)
+    err = diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+    return err if err == err else float("inf")  # NaN: diverged
+
+
+def _worst(ranks: list, ref: torch.Tensor | None, floor: float = 0.0) -> float | None:
+    found = _assemble(ranks, ref)
+    return None if found is None else max(_error(x, ref, floor) for x in found)
+
+
+# -- one run (the parent's reference, and each rank's) -------------------------------------
+
+
+@attrs.frozen
+class _Job:
+    """What every rank runs: the model, the plan, the inputs and the backward's cotangents."""
+
+    model: nn.Module
+    plan: object
+    args: tuple
+    kwargs: dict
+    cotangents: tuple
+    rng: torch.Tensor = None  # the CPU generator's state when the reference began
+
+
+def _rank_inputs(job: _Job, model: nn.Module, rank: int, n: int):
+    """The inputs a rank passes: its shard where the root's style declares the input sharded."""
+    mount = mounted(model)
+    slots = mount.inputs.slots if mount is not None else ()
+
+    def mine(x, i):
+        slot = slots[i] if i < len(slots) else None
+        given = None if slot is None else slot.given
+        x = x.detach().clone().requires_grad_(x.requires_grad)
+        if isinstance(given, Shard):
+            d, k = given.dim % x.ndim, given.parts
+            return torch.cat([p.chunk(n, d)[rank] for p in x.chunk(k, d)], d).detach() \
+                .requires_grad_(x.requires_grad)
+        if isinstance(given, Partial) and rank:
+            return torch.zeros_like(x).requires_grad_(x.requires_grad)
+        return x
+
+    args = tuple(mine(x, i) if isinstance(x, torch.Tensor) else x for i, x in enumerate(job.args))
+    return args, dict(job.kwargs)
+
+
+def _floats(out) -> list:
+    return [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+
+
+def _whole(t, model, mesh, ref):
+    """A rank's output as one differentiable global tensor, for the backward."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    mount = mounted(model)
+    slot = mount.outputs.slots[0] if mount is not None and mount.outputs.slots else None
+    layout = None if slot is None or slot.untouched else slot.out
+    if layout is None and t.shape != ref.shape:  # a shard of no declared layout: one dim split
+        dims = [d for d in range(t.ndim) if t.ndim == ref.ndim and t.shape[d] != ref.shape[d]]
+        layout = Shard(dims[0]) if len(dims) == 1 else None
+    if layout is None or isinstance(layout, Replicate):
+        return t
+    spec = to_torch(layout, t.ndim)
+    return DTensor.from_local(t, mesh, spec, run_check=False, shape=ref.shape,
+                              stride=torch.empty(ref.shape).stride()).full_tensor()
+
+
+def _cotangents(outputs: list, how: str, seed: int) -> tuple:
+    """The backward's seed for each output: random values from ``seed``, or ones (a sum)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return tuple(torch.randn(t.shape, generator=gen).to(t.dtype) if how == "random"
+                 else torch.ones(t.shape, dtype=t.dtype) for t in outputs)
+
+
+def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> dict:
+    """Forward and backward of ``model`` with hooks on: what every module saw, the grads.
+    ``cotangents``: the backward's seeds, or a function making them from the outputs;
+    ``phase``: a list whose first item says how far the run got."""
+    phase = [None] if phase is None else phase
+    phase[0] = "forward"
+    seen, order = {}, []
+    _record(model, seen, order)
+    out = model(*args, **kwargs)
+    floats = _floats(out)
+    if callable(cotangents):
+        cotangents = cotangents(floats)
+    if len(floats) != len(cotangents):
+        raise RuntimeError(f"the model hands on {len(floats)} floating-point outputs that need "
+                           f"a gradient, {len(cotangents)} on one device")
+    if floats:
+        phase[0] = "backward"
+        whole = floats if mesh is None else [_whole(t, model, mesh, c) for t, c in zip(floats, cotangents)]
+        torch.autograd.backward(sum((w * c).sum() for w, c in zip(whole, cotangents)))
+    return {"seen": seen, "order": order, "grads": _grads(model), "cotangents": cotangents}
+
+
+# -- the ranks ------------------------------------------------------------------------------
+
+
+def _mesh(store, rank: int, n: int, timeout: float) -> DeviceMesh:
+    """A 1-D mesh over a private gloo group of the ``n`` children (never the default group)."""
+    name = f"tpfn-verify-{n}-{uuid.uuid4().hex[:8]}"
+    group = ProcessGroup(store, rank, n)
+    gloo = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=timeout))
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    group._set_group_name(name)
+    register_process_group(name, group)
+    mesh = DeviceMesh("cpu", torch.arange(n), mesh_dim_names=(name,), _init_backend=False, _rank=rank)
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    return mesh
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """``'attn' (Attention)``: the innermost module of ``model`` in the traceback, or ''."""
+    names, found = {id(m): fqn for fqn, m in model.named_modules()}, None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return "" if found is None else f" in {describe(model.get_submodule(found), found)}"
+
+
+def _rank_main(rank: int, n: int, port: int, conn, job: _Job, timeout: float) -> None:
+    """A forked child: one rank's run, its result (or its failure) sent back, then exit."""
+    status, phase, model = "error", ["start"], None
+    try:
+        torch.set_num_threads(1)
+        if job.rng is not None:
+            torch.set_rng_state(job.rng)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        mesh = _mesh(store, rank, n, timeout)
+        phase[0], model = "parallelize", copy.deepcopy(job.model)
+        parallelize(model, mesh, job.plan, src_rank=None)  # the parent's weights on every rank
+        args, kwargs = _rank_inputs(job, model, rank, n)
+        value, status = _run(model, args, kwargs, job.cotangents, mesh, phase), "ok"
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        where = _where(exc, model) if model is not None else ""
+        value = (f"rank {rank}: the {phase[0]} failed{where}: {type(exc).__name__}: {exc}",
+                 traceback.format_exc())
+    try:
+        conn.send_bytes(pickle.dumps((status, value)))
+    finally:
+        os._exit(0)
+
+
+def _on_ranks(job: _Job, n: int, timeout: float, grace: float = 5.0) -> dict:
+    """``{rank: ("ok", result) | ("error", (message, traceback))}``, the first error first;
+    every child killed and reaped before returning."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids, conns = [], {}
+    try:
+        for rank in range(n):
+            read, write = Pipe(duplex=False)
+            pid = os.fork()
+            if pid == 0:  # the child
+                read.close()
+                _rank_main(rank, n, store.port, write, job, timeout)
+            write.close()
+            pids.append(pid)
+            conns[rank] = read
+        results: dict = {}
+        deadline = time.monotonic() + timeout
+        while conns:
+            failed = any(s == "error" for s, _ in results.values())
+            left = min(deadline - time.monotonic(), grace if failed else timeout)
+            ready = wait(list(conns.values()), timeout=max(0.0, left))
+            if not ready:
+                break
+            for rank, conn in list(conns.items()):
+                if conn in ready:
+                    del conns[rank]
+                    try:
+                        results[rank] = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        results[rank] = ("error", (f"rank {rank} died without a word", ""))
+                    conn.close()
+        if conns:
+            late = ", ".join(map(str, conns))
+            results[min(conns)] = ("error", (
+                f"rank{'s' if len(conns) > 1 else ''} {late} did not finish within {timeout:g}s "
+                "(a collective that some rank never joined?); they were stopped", ""))
+        return results
+    finally:
+        for conn in conns.values():
+            conn.close()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
+    """``(args, kwargs)`` of tensors: shapes become random values from ``seed`` (token ids
+    below the smallest embedding's vocabulary for integer dtypes)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
+
+    def tensor(x):
+        if isinstance(x, DTensor):
+            raise TypeError("example inputs are the whole inputs one device takes: give tensors "
+                            "or shapes, not a DTensor.")
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        if isinstance(x, (tuple, list, torch.Size)) and all(
+                isinstance(d, int) and not isinstance(d, bool) for d in x):
+            if dtype.is_floating_point:
+                return torch.randn(tuple(x), generator=gen).to(dtype)
+            return torch.randint(0, vocab, tuple(x), generator=gen, dtype=dtype)
+        return x
+
+    if isinstance(example_inputs, Mapping):
+        return (), {k: tensor(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor) or (
+            isinstance(example_inputs, (tuple, list)) and example_inputs
+            and all(isinstance(d, int) for d in example_inputs)):
+        return (tensor(example_inputs),), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(tensor(x) for x in example_inputs), {}
+    raise TypeError(
+        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
+        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
+
+
+def _check_plan(model: nn.Module, plan, n: int) -> None:
+    """The ``PlanError`` that ``parallelize`` raises for this plan on ``n`` ranks, if any."""
+    mesh = new_fake_mesh(n)
+    try:
+        parallelize(copy.deepcopy(model), mesh, plan, src_rank=None)
+    finally:
+        release(mesh)
+
+
+def _local_colwise(fqn: str, module: nn.Module, mounts: dict) -> list:
+    """The children of ``fqn`` bound to colwise() that hand on local shards."""
+    out = []
+    for name, _ in module.named_children():
+        m = mounts.get(f"{fqn}.{name}" if fqn else name)
+        if m is not None and getattr(m.style.core, "kind", None) == "colwise" and m.outputs.local:
+            out.append((name, m.style.core.parts))
+    return out
+
+
+def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward: bool) -> str:
+    where = describe(module, fqn)
+    style = mounts[fqn].style if fqn in mounts else None
+    styled = f" ({style!r})" if style is not None else ""
+    if not forward:
+        return (f"{where}{styled} is the last module, in execution order, whose parameter "
+                f"gradients diverge (relative error {err:.1e}) while every output agrees: the "
+                "gradient flowing back into it is wrong; check the grads= the styles after it declare.")
+    head = (f"{where}{styled} diverges first: its inputs agree with one device and its output "
+            f"does not (relative error {err:.1e}).")
+    local = _local_colwise(fqn, module, mounts)
+    names = ", ".join(repr(name) for name, _ in local)
+    if len(local) == 1 and local[0][1] == 1:
+        return (f"{head} Hint: it splits the local output of its colwise() {names}, and each of "
+                f"the {n} ranks holds one contiguous 1/{n} of its features; a projection that packs "
+                "q, k and v (or gate and up) side by side needs colwise(parts=k), k equal parts "
+                "(for q wider than k and v: n_heads // n_kv_heads + 2 parts of n_kv_heads heads, "
+                "so that each rank holds its share of each), or a layout that groups each KV head "
+                "with its queries.")
+    heads = any(isinstance(getattr(module, a, None), int)
+                for a in ("n_head", "n_heads", "num_heads", "num_attention_heads"))
+    if local and (heads or len(local) > 1):
+        return (f"{head} Hint: it computes on the local outputs of its colwise() {names}: each of "
+                f"the {n} ranks holds 1/{n} of their features, so a view with the global head "
+                f"count (view(B, T, n_head, -1)) makes heads of 1/{n} of their features; view with "
+                f"the local count (n_head // {n}) or as (-1, head_dim), or hand it DTensors with "
+                "colwise(local=False).")
+    if local:
+        return (f"{head} Hint: it computes on the local outputs of its colwise() {names}: check "
+                "that what each rank holds is what its forward expects (a packed output, "
+                "colwise(parts=k), goes to rowwise(parts=k)).")
+    return (f"{head} Hint: check what its style declares (input, output and gradient layouts) "
+            "against what its forward computes on each rank.")
+
+
+def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
+    """One ``Check`` per module, in execution order (modules that did not run last)."""
+    order = ref["order"] + [f for f, _ in model.named_modules() if f not in ref["seen"]]
+    owner: dict = {}
+    for name in ref["grads"]:
+        owner.setdefault(name.rpartition(".")[0], []).append(name)
+    # A gradient that is zero on one device up to rounding (a key's bias, under a softmax) is
+    # measured against 1e-3 of the model's root-mean-square gradient, not against its own noise.
+    given = [g[0].double() for g in ref["grads"].values() if g is not None]
+    numel = sum(g.numel() for g in given)
+    floor = 1e-3 * (sum(g.square().sum().item() for g in given) / numel) ** 0.5 if numel else 0.0
+    checks = []
+    for fqn in order:
+        sub = model.get_submodule(fqn)
+        calls = ref["seen"].get(fqn, [])
+        errs = []
+        for i, (_, outs) in enumerate(calls):
+            for j, o in enumerate(outs or ()):
+                pieces = [(r["seen"].get(fqn) or [[None, None]] * (i + 1))[i][1] for r in ranks]
+                pieces = [p[j] if p is not None and j < len(p) else None for p in pieces]
+                errs.append(_worst(pieces, o[0]) if all(pieces) else float("inf"))
+        grads = []
+        for name in owner.get(fqn, ()):
+            g = ref["grads"][name]
+            pieces = [r["grads"].get(name) for r in ranks]
+            if g is None and all(p is None for p in pieces):
+                continue
+            grads.append((name.rpartition(".")[2],
+                          float("inf") if g is None else _worst(pieces, g[0], floor) if all(pieces) else float("inf")))
+        known = [e for e in errs if e is not None]
+        style = mounts[fqn].style if fqn in mounts else None
+        checks.append(Check(fqn, type(sub).__name__, style, max(known) if known else None,
+                            tuple(grads), fqn in ref["seen"]))
+    return checks
+
+
+def _inputs_agree(fqn: str, ref: dict, ranks: list, tolerance: float) -> bool:
+    for i, (ins, _) in enumerate(ref["seen"][fqn]):
+        for j, x in enumerate(ins):
+            pieces = [r["seen"][fqn][i][0][j] for r in ranks]
+            err = _worst(pieces, x[0])
+            if err is not None and not err <= tolerance:
+                return False
+    return True
+
+
+def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
+    """The innermost module whose inputs agree and whose output does not; else the last whose
+    gradients diverge. ``(fqn, error, forward)`` or None."""
+    sources = [c for c in checks if c.ran and c.output is not None and not c.output <= tolerance
+               and _inputs_agree(c.fqn, ref, ranks, tolerance)]
+    inner = [c for c in sources if not any(o.fqn.startswith(f"{c.fqn}.") or (not c.fqn and o.fqn)
+                                           for o in sources if o is not c)]
+    if inner:
+        return inner[0].fqn, inner[0].output, True
+    wrong = [c for c in checks if c.grad is not None and not c.grad <= tolerance]
+    if wrong:
+        return wrong[-1].fqn, wrong[-1].grad, False
+    return None
+
+
+def verify(model: nn.Module, plan, example_inputs, *, world_size: int = 2,
+           tolerance: float = TOLERANCE, dtype: torch.dtype = torch.long, seed: int = 0,
+           cotangent: str = "random", timeout: float = 120.0) -> Verification:
+    """Run ``plan`` on ``model`` over ``world_size`` real ranks (forked processes, gloo) and
+    compare every module's output and every parameter's gradient with one device.
+
+    - ``model``: never changed; every rank gets a copy with its weights.
+    - ``plan``: what ``parallelize`` takes; a plan it cannot apply raises the same ``PlanError``.
+    - ``example_inputs``: a tensor or a shape, a tuple of them (positional) or a dict (keyword);
+      shapes become random values from ``seed`` in ``dtype`` (integer dtypes: token ids below
+      the smallest ``nn.Embedding``'s vocabulary). Each rank passes the whole inputs, or its
+      shard where the root module's style declares an input sharded.
+    - The backward runs from a random cotangent of each floating-point output that needs a
+      gradient (``cotangent="sum"``: the sum of the outputs).
+    - ``tolerance``: the largest relative error ``||a - b|| / ||b||`` allowed (see ``TOLERANCE``).
+    - ``timeout``: seconds the ranks may take; a rank that raises or outlasts it is reported in
+      ``failure`` (its rank, module and exception), never a hang.
+
+    >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    >>> report = tpfn.verify(mlp, {"0": colwise(), "2": rowwise()}, (4, 8), dtype=torch.float32)
+    >>> report.ok, report.checks[1].fqn, report.checks[1].output < 1e-6
+    (True, '0', True)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TypeError(f"'world_size' must be a positive int (got {world_size!r}).")
+    if cotangent not in ("random", "sum"):
+        raise ValueError(f"'cotangent' must be 'random' or 'sum' (got {cotangent!r}).")
+    if not hasattr(os, "fork"):
+        raise RuntimeError("verify forks its ranks, and this platform has no fork; run the plan "
+                           "under torchrun and compare with one device instead.")
+    _check_plan(model, plan, world_size)
+    args, kwargs = _inputs(example_inputs, dtype, model, seed)
+    mounts = {m.fqn: m for m in resolve(plan, model)}
+    reference, rng = copy.deepcopy(model), torch.get_rng_state()
+    ref = _run(reference, *copy.deepcopy((args, kwargs)),
+               lambda outs: _cotangents(outs, cotangent, seed))
+    shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
+                   str(x.dtype).removeprefix("torch."))
+                  for k, x in [*enumerate(args), *kwargs.items()] if isinstance(x, torch.Tensor))
+    report = Verification(world_size, tolerance, shown)
+    results = _on_ranks(_Job(model, plan, args, kwargs, ref["cotangents"], rng), world_size, timeout)
+    errors = [v for s, v in results.values() if s == "error"]
+    if errors:
+        message, trace = errors[0]
+        return attrs.evolve(report, failure=message, trace=trace or None)
+    ranks = [results[r][1] for r in range(world_size)]
+    checks = _checks(model, mounts, ref, ranks)
+    found = _culprit(checks, ref, ranks, tolerance)
+    if found is None:
+        return attrs.evolve(report, checks=tuple(checks))
+    fqn, err, forward = found
+    return attrs.evolve(report, checks=tuple(checks), culprit=fqn,
+                        hint=_hint(fqn, model.get_submodule(fqn), mounts, world_size, err, forward))
