@@ -80,10 +80,6 @@ class Meaning:
     shape: object = None
 
 
-def _present(module: nn.Module, **rules) -> dict:
-    return {n: p for n, p in rules.items() if getattr(module, n, None) is not None}
-
-
 def _own_forward(module: nn.Module, kind: type) -> bool:
     return type(module).forward is kind.forward
 
