@@ -23,7 +23,7 @@ __all__ = [
     "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
-    "MIXING", "assert_async", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
+    "MIXING", "assert_async", "private_mesh", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
 ]
 
 
@@ -62,3 +62,17 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
     """Raise ``message`` where ``condition`` is False, without waiting for the device (on CPU
     at once, on CUDA as a device-side assert, as an out-of-range index does on one device)."""
     torch._assert_async(condition, message)
+
+
+def private_mesh(name: str, group, world_size: int, rank: int):
+    """A 1-D CPU mesh over ``group``, registered under ``name`` for the functional
+    collectives, that never becomes (nor needs) the default process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group._set_group_name(name)
+    register_process_group(name, group)
+    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
+                      _init_backend=False, _rank=rank)
+    mesh._dim_group_names = [name]
+    mesh._pg_registry[name] = group
+    return mesh

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpfn._torch import (
-    FakeProcessGroup, ProcessGroup, register_process_group, resolve_process_group,
-    unregister_process_group,
+    FakeProcessGroup, ProcessGroup, private_mesh, resolve_process_group, unregister_process_group,
 )
 
 __all__ = ["fake_mesh", "new_fake_mesh", "release"]
@@ -53,13 +52,7 @@ def new_fake_mesh(world_size: int) -> DeviceMesh:
     group = ProcessGroup(dist.HashStore(), 0, world_size)
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
                             FakeProcessGroup._create_internal(0, world_size))
-    group._set_group_name(name)
-    register_process_group(name, group)
-    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
-                      _init_backend=False, _rank=0)
-    mesh._dim_group_names = [name]
-    mesh._pg_registry[name] = group
-    return mesh
+    return private_mesh(name, group, world_size, 0)
 
 
 def release(mesh: DeviceMesh) -> None:

@@ -1,44 +1,28 @@
 """``verify``: run a plan on N real ranks in one call and compare every number with one device.
 
 The parent process runs the unsharded model; ``world_size`` forked child processes, one per
-rank, form a gloo group on 127.0.0.1 over a TCP store that the parent hosts on a free port,
-each parallelize its own copy of the model (the parent's weights, so ``src_rank=None``) and
-run the same forward and backward. Forward hooks on every module record what it takes and
+rank (``tpfn.dryrun.forked``), each parallelize its own copy of the model (the parent's
+weights, so ``src_rank=None``) and run the same forward and backward. Forward hooks on every module record what it takes and
 hands on (a local shard in the layout its style declares, a DTensor in its own); the parent
 puts the shards together and compares each module's output and each parameter's gradient
 with one device's. The first module whose inputs agree and whose output does not is named.
-
-Children are forked, not spawned: the model's class may live in ``__main__``, a notebook or
-a docs page, and the plan may hold functions, none of which a spawned process could import.
-Each child builds a private process group (the parent's own default group, if any, is left
-alone) and ends with ``os._exit``; the parent waits a bounded time, then kills and reaps
-every child, whatever happens.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import pickle
-import signal
-import sys
-import time
 import traceback
-import uuid
 from collections.abc import Mapping
-from multiprocessing.connection import Pipe, wait
 
 import attrs
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe
-from tpfn._torch import ProcessGroup, register_process_group
 from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.dryrun.forked import on_ranks
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.plans.plan import resolve
@@ -296,25 +280,11 @@ def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> d
     return {"seen": seen, "order": order, "grads": _grads(model), "cotangents": cotangents}
 
 
-# -- the ranks ------------------------------------------------------------------------------
-
-
-def _mesh(store, rank: int, n: int, timeout: float) -> DeviceMesh:
-    """A 1-D mesh over a private gloo group of the ``n`` children (never the default group)."""
-    name = f"tpfn-verify-{n}-{uuid.uuid4().hex[:8]}"
-    group = ProcessGroup(store, rank, n)
-    gloo = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=timeout))
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
-    group._set_group_name(name)
-    register_process_group(name, group)
-    mesh = DeviceMesh("cpu", torch.arange(n), mesh_dim_names=(name,), _init_backend=False, _rank=rank)
-    mesh._dim_group_names = [name]
-    mesh._pg_registry[name] = group
-    return mesh
+# -- verify ---------------------------------------------------------------------------------
 
 
 def _where(exc: BaseException, model: nn.Module) -> str:
-    """``'attn' (Attention)``: the innermost module of ``model`` in the traceback, or ''."""
+    """`` in 'attn' (Attention)``: the innermost module of ``model`` in the traceback, or ''."""
     names, found = {id(m): fqn for fqn, m in model.named_modules()}, None
     tb = exc.__traceback__
     while tb is not None:
@@ -325,82 +295,25 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return "" if found is None else f" in {describe(model.get_submodule(found), found)}"
 
 
-def _rank_main(rank: int, n: int, port: int, conn, job: _Job, timeout: float) -> None:
-    """A forked child: one rank's run, its result (or its failure) sent back, then exit."""
-    status, phase, model = "error", ["start"], None
-    try:
-        torch.set_num_threads(1)
+def _on_ranks(job: _Job, n: int, timeout: float) -> dict:
+    """One rank's run of ``job`` on each of ``n`` forked ranks (``tpfn.dryrun.forked``)."""
+    phase, models = ["start"], {}
+
+    def run(rank, mesh):
         if job.rng is not None:
             torch.set_rng_state(job.rng)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        mesh = _mesh(store, rank, n, timeout)
         phase[0], model = "parallelize", copy.deepcopy(job.model)
+        models[rank] = model
         parallelize(model, mesh, job.plan, src_rank=None)  # the parent's weights on every rank
         args, kwargs = _rank_inputs(job, model, rank, n)
-        value, status = _run(model, args, kwargs, job.cotangents, mesh, phase), "ok"
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
-        where = _where(exc, model) if model is not None else ""
-        value = (f"rank {rank}: the {phase[0]} failed{where}: {type(exc).__name__}: {exc}",
-                 traceback.format_exc())
-    try:
-        conn.send_bytes(pickle.dumps((status, value)))
-    finally:
-        os._exit(0)
+        return _run(model, args, kwargs, job.cotangents, mesh, phase)
 
+    def fail(rank, exc):
+        where = _where(exc, models[rank]) if rank in models else ""
+        return (f"rank {rank}: the {phase[0]} failed{where}: {type(exc).__name__}: {exc}",
+                traceback.format_exc())
 
-def _on_ranks(job: _Job, n: int, timeout: float, grace: float = 5.0) -> dict:
-    """``{rank: ("ok", result) | ("error", (message, traceback))}``, the first error first;
-    every child killed and reaped before returning."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pids, conns = [], {}
-    try:
-        for rank in range(n):
-            read, write = Pipe(duplex=False)
-            pid = os.fork()
-            if pid == 0:  # the child
-                read.close()
-                _rank_main(rank, n, store.port, write, job, timeout)
-            write.close()
-            pids.append(pid)
-            conns[rank] = read
-        results: dict = {}
-        deadline = time.monotonic() + timeout
-        while conns:
-            failed = any(s == "error" for s, _ in results.values())
-            left = min(deadline - time.monotonic(), grace if failed else timeout)
-            ready = wait(list(conns.values()), timeout=max(0.0, left))
-            if not ready:
-                break
-            for rank, conn in list(conns.items()):
-                if conn in ready:
-                    del conns[rank]
-                    try:
-                        results[rank] = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        results[rank] = ("error", (f"rank {rank} died without a word", ""))
-                    conn.close()
-        if conns:
-            late = ", ".join(map(str, conns))
-            results[min(conns)] = ("error", (
-                f"rank{'s' if len(conns) > 1 else ''} {late} did not finish within {timeout:g}s "
-                "(a collective that some rank never joined?); they were stopped", ""))
-        return results
-    finally:
-        for conn in conns.values():
-            conn.close()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-
-
-# -- verify ---------------------------------------------------------------------------------
+    return on_ranks(run, fail, n, timeout=timeout)
 
 
 def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
