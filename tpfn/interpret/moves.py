@@ -18,7 +18,6 @@ import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
@@ -41,22 +40,22 @@ def placements(layout, ndim: int) -> tuple:
     return to_torch(layout, ndim)
 
 
-def failed(what: str, src, dst, error: Exception) -> CollectiveError:
+def failed(what: str, src, dst, error: Exception, mesh) -> CollectiveError:
     """The error for a collective that failed while moving ``what`` from layout src to dst."""
     kinds = " and ".join(s.collective.replace("_", "-") for s in transition(src, dst) if s.collective)
-    return _failed(f"the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r})", error)
+    return _failed(f"the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r})", error, mesh)
 
 
-def _failed(what: str, error: Exception) -> CollectiveError:
+def _failed(what: str, error: Exception, mesh) -> CollectiveError:
     return CollectiveError(
-        f"rank {dist.get_rank()}: {what} failed: {error}. Another rank has most likely failed "
+        f"rank {mesh.get_rank()}: {what} failed: {error}. Another rank has most likely failed "
         "(its own error says why) or runs another plan; the wait is bounded by the process "
         "group's timeout (init_process_group(timeout=...))."
     )
 
 
 @contextlib.contextmanager
-def collective(what: str):
+def collective(what: str, mesh):
     """Inside, a collective that fails raises a ``CollectiveError`` naming ``what`` it served
     (``"the all-reduce of cross_entropy's per-token maxima"``)."""
     try:
@@ -64,7 +63,7 @@ def collective(what: str):
     except CollectiveError:
         raise
     except RuntimeError as error:
-        raise _failed(what, error) from error
+        raise _failed(what, error, mesh) from error
 
 
 def _first_order(what: str) -> None:
@@ -83,7 +82,7 @@ def _redistribute(x: torch.Tensor, src_spec, dst_spec, what: str) -> torch.Tenso
         return redistribute_local_tensor(x, src_spec, dst_spec)
     except RuntimeError as error:
         src, dst = from_torch(src_spec.placements), from_torch(dst_spec.placements)
-        raise failed(what, src, dst, error) from error
+        raise failed(what, src, dst, error, src_spec.mesh) from error
 
 
 class _Move(torch.autograd.Function):

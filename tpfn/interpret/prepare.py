@@ -59,7 +59,7 @@ def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 
                 )
             out[name] = param
             continue
-        with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}"):
+        with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
             dt = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank)
         out[name] = keep_mesh(nn.Parameter(dt, requires_grad=param.requires_grad), mesh)
     return out
@@ -153,7 +153,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
             try:
                 dt = dt.redistribute(mesh, wanted)
             except RuntimeError as error:
-                raise failed(what, from_torch(current), from_torch(wanted), error) from error
+                raise failed(what, from_torch(current), from_torch(wanted), error, mesh) from error
     if not local:
         return dt
     out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))

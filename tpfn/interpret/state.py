@@ -136,7 +136,7 @@ class PartialGrads:
             for dim, placement in enumerate(placements):
                 if placement.is_partial() and mesh.size(dim) > 1:
                     with collective(f"the all-reduce of the partial gradients of {names} at the "
-                                    "end of the backward"):
+                                    "end of the backward", mesh):
                         flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
             replicated = [Replicate() if p.is_partial() else p for p in placements]
             for param, grad, piece in zip(params, grads, flat.split([g.to_local().numel() for g in grads])):

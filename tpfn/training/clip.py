@@ -23,7 +23,8 @@ __all__ = ["clip_grad_norm_"]
 
 def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:
     for dim in dims:  # one mesh dim at a time: sums and maxima are associative
-        with collective(f"clip_grad_norm_'s all-reduce of the gradients' norm over mesh dim {dim}"):
+        with collective(f"clip_grad_norm_'s all-reduce of the gradients' norm over mesh dim {dim}",
+                        mesh):
             dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     return value
 

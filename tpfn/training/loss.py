@@ -36,7 +36,7 @@ __all__ = ["cross_entropy"]
 
 
 def _reduce(t: torch.Tensor, op: str, mesh, what: str) -> torch.Tensor:
-    with collective(f"cross_entropy's all-reduce of {what}"):
+    with collective(f"cross_entropy's all-reduce of {what}", mesh):
         return funcol.wait_tensor(funcol.all_reduce(t, op, (mesh, 0)))
 
 
