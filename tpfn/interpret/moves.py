@@ -18,6 +18,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
@@ -48,7 +49,8 @@ def failed(what: str, src, dst, error: Exception, mesh) -> CollectiveError:
 
 def _failed(what: str, error: Exception, mesh) -> CollectiveError:
     return CollectiveError(
-        f"rank {mesh.get_rank()}: {what} failed: {error}. Another rank has most likely failed "
+        f"rank {dist.get_rank() if dist.is_initialized() else mesh.get_local_rank()}: {what} "
+        f"failed: {error}. Another rank has most likely failed "
         "(its own error says why) or runs another plan; the wait is bounded by the process "
         "group's timeout (init_process_group(timeout=...))."
     )
