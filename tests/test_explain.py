@@ -268,7 +268,12 @@ def test_the_classic_global_head_view_fails_at_its_module_with_a_hint():
         "'[2, 64, 64, 4]' is invalid for input of size 8192. Hint: 'layers.0.attention' reshapes "
         "the local outputs of its colwise() 'wq', 'wk', 'wv': each of the 4 ranks holds 1/4 of "
         "their features (of the heads), so a view with the global head count fails; view with "
-        "the local count (heads // 4) or -1, or hand it DTensors with colwise(local=False)."]
+        "the local count (heads // 4) or -1, or hand it DTensors with colwise(local=False).",
+        "'layers.0.attention' (Attention) holds n_heads = 64, the global head count of 'wq', 'wk', "
+        "'wv', whose colwise() hand on local shards: each of the 4 ranks holds 16 of the 64 heads, "
+        "so a view by n_heads heads (view(B, T, self.n_heads, -1)) makes heads of the wrong size, "
+        "silently; view with the local count (n_heads // 4) or with -1 heads of the head size, or "
+        "hand it DTensors with colwise(local=False) (and 1 more like it)."]
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
@@ -547,3 +552,250 @@ def test_local_shapes_tile_and_bytes_follow_the_ring_model(vocab, n, tokens):
     assert list(report.comms) == expected
     ring = sympy.Rational(n - 1, n)
     assert report.bytes == 4 * ring * (2 * tokens * 4 * 2 + padded)
+
+
+# Attention code as people write it: nanoGPT's (it keeps its config on the root), minGPT's
+# (no config anywhere), a fused q, k, v for grouped-query attention.
+
+
+class GPTConfig:
+    def __init__(self, n_embd=64, n_head=4, n_layer=2, vocab_size=64, block_size=16):
+        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
+        self.vocab_size, self.block_size = vocab_size, block_size
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one fused c_attn split by n_embd, heads viewed by n_head."""
+
+    def __init__(self, config, view_by_heads: bool = False):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.view_by_heads = view_by_heads
+
+    def forward(self, x):
+        B, T, C = x.size()
+        if self.view_by_heads:  # the usual "fix" of the split, which leaves the heads wrong
+            q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(B, T, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, config, **kw):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(config.n_embd), CausalSelfAttention(config, **kw)
+
+    def forward(self, x):
+        return x + self.attn(self.ln_1(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape: the config on the root, blocks under transformer.h."""
+
+    def __init__(self, config, keep_config: bool = True, **kw):
+        super().__init__()
+        if keep_config:
+            self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx):
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(x)
+
+
+GPT_PLAN = {
+    "transformer.h.*.attn": prepare_in(Replicate()),
+    "transformer.h.*.attn.c_attn": colwise(parts=3),
+    "transformer.h.*.attn.c_proj": rowwise(),
+    "lm_head": colwise() >> prepare_out(Replicate()),
+}
+
+GLOBAL_N_HEAD = (
+    "'transformer.h.0.attn' (CausalSelfAttention) holds n_head = 4, the global head count of "
+    "'c_attn', whose colwise(parts=3) hands on local shards: each of the 2 ranks holds 2 of the 4 "
+    "heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong "
+    "size, silently; view with the local count (n_head // 2) or with -1 heads of the head size, "
+    "or hand it DTensors with colwise(local=False) (and 1 more like it).")
+
+
+def test_a_global_head_count_next_to_local_shards_is_linted_though_nothing_fails():
+    model = GPT(GPTConfig(), view_by_heads=True)
+    report = tpfn.explain(model, GPT_PLAN, world_size=2, example_inputs=(2, 8))  # runs: -1 absorbs
+    assert report.lints == (GLOBAL_N_HEAD,)
+    minigpt = GPT(GPTConfig(), keep_config=False, view_by_heads=True)  # minGPT keeps no config
+    assert tpfn.explain(minigpt, GPT_PLAN, world_size=2).lints == (GLOBAL_N_HEAD,)
+    for block in model.transformer.h:  # the right fix: the local count (config.n_head is 4)
+        block.attn.n_head //= 2
+    assert tpfn.explain(model, GPT_PLAN, world_size=2, example_inputs=(2, 8)).lints == ()
+    for block in minigpt.transformer.h:  # without a config: its numbers are all local
+        block.attn.n_head //= 2
+        block.attn.n_embd //= 2
+    assert tpfn.explain(minigpt, GPT_PLAN, world_size=2).lints == ()
+    gathered = {**GPT_PLAN, "transformer.h.*.attn.c_attn": colwise(parts=3, local=False)}
+    assert tpfn.explain(GPT(GPTConfig(), view_by_heads=True), gathered, world_size=2).lints == ()
+    report = tpfn.explain(GPT(GPTConfig(n_embd=48, n_head=3), view_by_heads=True), GPT_PLAN,
+                          world_size=2)
+    assert report.lints[0] == (
+        "'transformer.h.0.attn' (CausalSelfAttention) holds n_head = 3, the global head count of "
+        "'c_attn', whose colwise(parts=3) hands on local shards: the 2 ranks cannot split 3 heads "
+        "into whole heads each; choose a mesh size that divides 3 (and 1 more like it).")
+
+
+def test_a_split_by_the_global_width_after_colwise_fails_with_a_hint():
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(GPT(GPTConfig()), GPT_PLAN, world_size=2, example_inputs=(2, 8))
+    assert e.value.problems == [
+        "the dry run's forward failed in 'transformer.h.0.attn' (CausalSelfAttention): ValueError: "
+        "not enough values to unpack (expected 3, got 2). Hint: 'transformer.h.0.attn' splits the "
+        "local output of its colwise(parts=3) 'c_attn': each of the 2 ranks holds 96 of its 192 "
+        "features (1/2 of each of its 3 parts), so a split by the global size (n_embd = 64) gives "
+        "2 pieces, not 3; split by the local size (64 // 2 = 32) or with .chunk(3, dim=-1), or "
+        "hand it DTensors with colwise(local=False).", GLOBAL_N_HEAD]
+    plain = {**GPT_PLAN, "transformer.h.*.attn.c_attn": colwise()}
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(GPT(GPTConfig()), plain, world_size=4, example_inputs=(2, 8))
+    assert e.value.problems[0].endswith(
+        "Hint: 'transformer.h.0.attn' splits the local output of its colwise() 'c_attn': each of "
+        "the 4 ranks holds 48 of its 192 features, so a split by the global size (n_embd = 64) "
+        "gives 1 piece, not 3; bind it to colwise(parts=3), so that each rank holds its slice of "
+        "every part, and split by the local size or with .chunk(3, dim=-1).")
+    assert e.value.problems[2] == (  # after the global n_head
+        "'c_attn' of 'transformer.h.0.attn' (CausalSelfAttention) fuses q, k and v (4 heads of 16 "
+        "features each: 3 x 64 = 192 features), and colwise() cuts its output into 4 contiguous "
+        "shards of 48 features, across q, k and v, so each rank computes attention on the wrong "
+        "features, silently; use colwise(parts=3), which gives each rank its slice of q, of k and "
+        "of v (and 1 more like it).")
+
+
+class FusedGQA(nn.Module):
+    """Grouped-query attention with one fused q, k, v projection of unequal parts."""
+
+    def __init__(self, dim=128, num_heads=8, num_key_value_heads=2):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, (num_heads + 2 * num_key_value_heads) * self.head_dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = (z.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.o(y.transpose(1, 2).flatten(2))
+
+
+def test_a_fused_qkv_of_unequal_parts_under_colwise_is_linted():
+    plan = {"": prepare_in(Replicate()), "qkv": colwise(), "o": rowwise()}
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(FusedGQA(), plan, world_size=2, example_inputs=(2, 8, 128), dtype=torch.float32)
+    assert e.value.problems[1:] == [
+        "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
+        "of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 "
+        "contiguous shards of 96 features, across q, k and v, so each rank computes attention on "
+        "the wrong features, silently; split it into separate q, k and v projections, each "
+        "colwise(), or gather its output with colwise() >> prepare_out(Replicate())."]
+    equal_parts = tpfn.explain(FusedGQA(), {**plan, "qkv": colwise(parts=3)}, world_size=2)
+    assert equal_parts.lints == (
+        "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
+        "of 16 features: 128 + 32 + 32 = 192 features), and colwise(parts=3) cuts it into 3 equal "
+        "parts of 64 features, not q, k and v, so each rank computes attention on the wrong "
+        "features, silently; split it into separate q, k and v projections, each colwise(), or "
+        "gather its output with colwise() >> prepare_out(Replicate()).",)
+    gathered = {"qkv": colwise() >> prepare_out(Replicate()), "o": prepare_in(Replicate()) >> rowwise()}
+    assert tpfn.explain(FusedGQA(), gathered, world_size=2, example_inputs=(2, 8, 128),
+                        dtype=torch.float32).lints == ()
+    assert tpfn.explain(FusedGQA(), plan, world_size=1).lints == ()
+
+
+def test_a_rowwise_linear_with_no_colwise_partner_fails_with_a_hint():
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(mlp, {"2": rowwise()}, world_size=2, example_inputs=(8, 16), dtype=torch.float32)
+    assert e.value.problems == [
+        "the dry run's forward failed in '2' (Linear): RuntimeError: a and b must have same "
+        "reduction dim, but got [8, 64] X [32, 16]. Hint: '2' is rowwise(): each rank holds 32 of "
+        "its 64 input features, so it takes the local shard that a colwise() module hands on, but "
+        "its input has all 64 (the global in_features): no colwise() module feeds it; bind the "
+        "projection before it to colwise(), or split a replicated input with "
+        "prepare_in(Replicate()) >> rowwise()."]
+    assert tpfn.explain(mlp, {"2": prepare_in(Replicate()) >> rowwise()}, world_size=2,
+                        example_inputs=(8, 16), dtype=torch.float32).count("forward") == {
+        "all_reduce": 1}
+
+
+def test_a_symbolic_world_size_names_its_stand_in():
+    model, plan, _ = _llama(num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=t, example_inputs=(b, s))
+    assert e.value.problems[0].startswith(
+        "the dry run's forward failed in 'model.layers.0.self_attn' (LlamaAttention) at the "
+        "stand-in sizes b=24, s=40, t=4: RuntimeError:")
+    assert e.value.problems[1:] == [
+        "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 2 heads of 64 "
+        "features: fewer heads than the 4 ranks (the stand-in world size t=4), so colwise() cannot "
+        "give each rank a whole head; use at most 2 ranks for tensor parallelism (and 1 more like "
+        "it)."]
+
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_a_hugging_face_model_set_up_for_training_is_told_how_to_run():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, use_cache=False))
+    plan = tpfn.from_hf(model.tp_plan, model)
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=2, example_inputs=(2, 8))
+    assert e.value.problems == [
+        "the dry run's forward failed in 'model' (LlamaModel): RuntimeError: Tensor.item() cannot "
+        "be called on meta tensors. Hint: 'find_packed_sequence_indices' "
+        "(transformers/masking_utils.py:761) reads the value of a tensor (.item(), bool(), a "
+        "branch on it), but the dry run's tensors are meta tensors, which hold no values; "
+        "transformers reads the position ids to find packed sequences when a model runs without a "
+        "cache and without an attention mask (use_cache=False, as for training): pass "
+        "use_cache=True with the example inputs, e.g. example_inputs={'input_ids': (2, 8), "
+        "'use_cache': True}, which changes no collective."]
+    fixed = tpfn.explain(model, plan, world_size=2,
+                         example_inputs={"input_ids": (2, 8), "use_cache": True})
+    cached = LlamaForCausalLM(LlamaConfig(**TINY))
+    assert fixed.comms == tpfn.explain(cached, plan, world_size=2, example_inputs=(2, 8)).comms
+
+
+def test_hugging_face_attention_gets_no_head_lints():
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(0)
+    for model in (LlamaForCausalLM(LlamaConfig(**TINY)), Qwen2ForCausalLM(Qwen2Config(**TINY)),
+                  Phi3ForCausalLM(Phi3Config(**TINY, pad_token_id=0))):
+        report = tpfn.explain(model, tpfn.from_hf(model.tp_plan, model), world_size=2,
+                              example_inputs=(2, 8))
+        assert report.lints == (), type(model)
+    # Phi-3 gathers its fused q, k, v; left on local shards they are cut across.
+    phi3 = Phi3ForCausalLM(Phi3Config(**TINY, pad_token_id=0))
+    assert tpfn.explain(phi3, {"model.layers.*.self_attn.qkv_proj": colwise()},
+                        world_size=2).lints[0].startswith(
+        "'qkv_proj' of 'model.layers.0.self_attn' (Phi3Attention) fuses q, k and v of unequal "
+        "sizes (4 heads and 2 + 2 KV heads of 8 features: 32 + 16 + 16 = 64 features), and "
+        "colwise() cuts its output into 2 contiguous shards of 32 features")
+    # GPT-2 holds num_heads and head_dim, but its Conv1D projections take no colwise().
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64,
+                                      n_positions=16, eos_token_id=0, bos_token_id=0))
+    gpt2_plan = {"transformer.wte": rowwise(), "lm_head": colwise() >> prepare_out(Replicate())}
+    assert tpfn.explain(gpt2, gpt2_plan, world_size=2, example_inputs=(2, 8)).lints == ()
+    with pytest.raises(PlanError, match=r"it shards nn\.Linear and nn\.Embedding, not Conv1D"):
+        tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)

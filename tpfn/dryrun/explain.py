@@ -238,7 +238,7 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
             if grads:
                 torch.autograd.backward(grads)
     except Exception as exc:
-        raise PlanError([lint.failure(exc, model, mounts, n, phase), *lints]) from exc
+        raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints]) from exc
     return comms, seen
 
 
@@ -256,7 +256,9 @@ def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) ->
     parallelize(model, mesh, plan, src_rank=None)
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
-    lints = [*lint.heads(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
+    symbol = shown if isinstance(shown, sympy.Basic) else None
+    lints = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
+             *lint.fused(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
     comms, seen = _run(model, mounts, lints, n, args, kwargs, values,
                        blocks[0] if blocks else None) if ran else ([], {})

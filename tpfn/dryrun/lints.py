@@ -6,18 +6,36 @@ and returns sentences; repeated blocks say it once, with their count.
 - ``uneven``: a sharded parameter dim the mesh size does not divide;
 - ``heads``: column-wise projections with fewer heads (or KV heads) than ranks, or a head
   count the mesh size does not divide;
+- ``head_counts``: a module that holds the global head count of the column-wise projections
+  whose local shards it reshapes (``view(B, T, self.n_head, -1)`` is then silently wrong);
+- ``fused``: a fused q, k, v projection whose parts ``colwise()`` cuts across;
 - ``siblings``: parameters left unsharded where a sibling of the same shape shards them;
 - ``failure``: where a dry run failed, with a hint for the usual causes.
+
+A dry run at a symbolic world size runs at stand-in sizes; ``shown`` (the symbol) makes the
+sentences name the stand-in (``the 4 ranks (the stand-in world size t=4)``).
 """
 
 from __future__ import annotations
+
+import re
+import sys
 
 import torch.nn as nn
 
 from tpfn._fqn import describe, generalize
 from tpfn.layout import Shard
 
-__all__ = ["uneven", "heads", "siblings", "failure"]
+__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure"]
+
+# Attribute names that hold head counts, head sizes and model widths in common attention code
+# (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
+HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_q_heads", "num_q_heads",
+         "num_query_heads")
+KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv",
+            "num_kv", "n_kv_groups")
+HEAD_SIZES = ("head_dim", "head_size", "attention_head_size", "d_head", "dim_head", "d_k")
+WIDTHS = ("n_embd", "n_embed", "embed_dim", "hidden_size", "d_model", "dim", "all_head_size")
 
 
 def _join(fqn: str, name: str) -> str:
@@ -29,6 +47,54 @@ def _colwise(mounts: dict, fqn: str):
     mount = mounts.get(fqn)
     core = None if mount is None else mount.style.core
     return core if getattr(core, "kind", None) == "colwise" and mount.outputs.local else None
+
+
+def _shards(mounts: dict, fqn: str):
+    """The colwise() core at ``fqn`` whose module hands on local shards (not gathered), or None."""
+    core = _colwise(mounts, fqn)
+    if core is None:
+        return None
+    slots = mounts[fqn].outputs.slots
+    last = (slots[0].desired if slots[0].desired is not None else slots[0].given) if slots else None
+    return core if last is None or isinstance(last, Shard) else None
+
+
+def _ranks(world_size: int, shown=None) -> str:
+    """``'the 4 ranks'``, naming the stand-in where the world size is a symbol."""
+    if shown is None or shown == world_size:
+        return f"the {world_size} ranks"
+    return f"the {world_size} ranks (the stand-in world size {shown}={world_size})"
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _held(sub: nn.Module, names) -> list:
+    """``[(name, value)]`` of the positive int attributes of ``sub`` among ``names``."""
+    return [(n, vars(sub)[n]) for n in names if _count(vars(sub).get(n))]
+
+
+def _config(module: nn.Module, fqn: str, names):
+    """The first of ``names`` in the ``config`` of ``fqn``'s module or its nearest ancestor
+    that has one (nanoGPT's ``GPT.config``, transformers' ``self.config``), else None."""
+    parts = fqn.split(".") if fqn else []
+    for i in range(len(parts), -1, -1):
+        config = vars(module.get_submodule(".".join(parts[:i]))).get("config")
+        found = [getattr(config, n, None) for n in names] if config is not None else []
+        if any(_count(v) for v in found):
+            return next(v for v in found if _count(v))
+    return None
+
+
+def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
+    """``[(name, child, core)]``: the nn.Linear children bound to colwise() with local shards."""
+    out = []
+    for name, child in sub.named_children():
+        core = _shards(mounts, _join(fqn, name))
+        if core is not None and isinstance(child, nn.Linear):
+            out.append((name, child, core))
+    return out
 
 
 def _once(found: list) -> list:
@@ -72,7 +138,7 @@ def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
     return out
 
 
-def heads(module: nn.Module, world_size: int, mounts: dict) -> list:
+def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
     """Column-wise projections of an attention module whose heads (or KV heads) the ranks
     cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``.
 
@@ -87,17 +153,144 @@ def heads(module: nn.Module, world_size: int, mounts: dict) -> list:
     for fqn, sub in module.named_modules():
         for n, names in _heads(sub, fqn, mounts).items():
             if n < world_size:
-                problem = (f"fewer heads than the {world_size} ranks, so colwise() cannot give each "
-                           f"rank a whole head; use at most {n} ranks for tensor parallelism")
+                problem = (f"fewer heads than {_ranks(world_size, shown)}, so colwise() cannot give "
+                           f"each rank a whole head; use at most {n} ranks for tensor parallelism")
             elif n % world_size:
-                problem = (f"the {world_size} ranks do not divide them, so ranks would hold parts of "
-                           f"heads; choose a mesh size that divides {n}")
+                problem = (f"{_ranks(world_size, shown)} do not divide them, so ranks would hold "
+                           f"parts of heads; choose a mesh size that divides {n}")
             else:
                 continue
             verb = "projects" if len(names) == 1 else "project"
             found.append((generalize(fqn) + str(n), (
                 f"{', '.join(map(repr, names))} of {describe(sub, fqn)} {verb} {n} heads of "
                 f"{sub.head_dim} features: {problem}.")))
+    return _once(found)
+
+
+def _global(sub, fqn, module, attr, value, kv, widths, size):
+    """The children whose global (KV) head count ``sub.attr == value`` is, or [] if it is not
+    one: by the head size where ``sub`` has one, else by the config the model was built from,
+    else by the width ``sub`` holds (nanoGPT's ``n_embd``), else by the widest projection."""
+    if size is not None:
+        counts = {n: w // size for n, w in widths.items() if w % size == 0}
+        if not counts or value != (min if kv else max)(counts.values()):
+            return []
+        return [n for n, c in counts.items() if c == value]
+    config = _config(module, fqn, KV_HEADS if kv else HEADS)
+    widest = max(widths.values())
+    if config is not None:
+        if value != config:
+            return []
+    elif kv:
+        return []  # a KV count without a head size or a config: nothing to tell it by
+    else:
+        width = next((v for _, v in _held(sub, WIDTHS)), None)
+        if width not in (None, widest) or widest % value:
+            return []  # a local width: its numbers are per rank already
+    names = [n for n, w in widths.items() if w % value == 0]
+    return ([n for n in names if widths[n] != widest] or names) if kv else names
+
+
+def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
+    """Modules that hold the global head (or KV head) count of column-wise children whose
+    local shards they are handed: a view by it (``view(B, T, self.n_head, -1)``) makes heads
+    of the wrong size on every rank, and nothing fails.
+
+    >>> attention = nn.Module()
+    >>> attention.n_head, attention.c_attn = 4, nn.Linear(64, 192)
+    >>> report = tpfn.explain(attention, {"c_attn": colwise(parts=3)}, world_size=2)
+    >>> print(report.lints[0])
+    '<root>' (Module) holds n_head = 4, the global head count of 'c_attn', whose colwise(parts=3) hands on local shards: each of the 2 ranks holds 2 of the 4 heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong size, silently; view with the local count (n_head // 2) or with -1 heads of the head size, or hand it DTensors with colwise(local=False).
+    """
+    if world_size == 1:
+        return []
+    found = []
+    for fqn, sub in module.named_modules():
+        children = _local_children(sub, fqn, mounts)
+        if not children:
+            continue
+        widths = {name: child.out_features // core.parts for name, child, core in children}
+        cores = {name: core for name, _, core in children}
+        size = next((v for _, v in _held(sub, HEAD_SIZES)), None)
+        for names, kv in ((HEADS, False), (KV_HEADS, True)):
+            for attr, value in _held(sub, names):
+                members = _global(sub, fqn, module, attr, value, kv, widths, size)
+                if not members:
+                    continue
+                what = "KV head count" if kv else "head count"
+                whose = ", ".join(map(repr, members))
+                style = " and ".join(dict.fromkeys(repr(cores[n]) for n in members))
+                start = (f"{describe(sub, fqn)} holds {attr} = {value}, the global {what} of {whose}, "
+                         f"whose {style} hand{'s' if len(members) == 1 else ''} on local shards: ")
+                if value % world_size == 0:
+                    problem = (
+                        f"each of {_ranks(world_size, shown)} holds {value // world_size} of the "
+                        f"{value} heads, so a view by {attr} heads (view(B, T, self.{attr}, -1)) "
+                        f"makes heads of the wrong size, silently; view with the local count "
+                        f"({attr} // {world_size}) or with -1 heads of the head size, or hand it "
+                        "DTensors with colwise(local=False).")
+                elif size is None:  # with a head size, heads() says it
+                    problem = (f"{_ranks(world_size, shown)} cannot split {value} heads into whole "
+                               f"heads each; choose a mesh size that divides {value}.")
+                else:
+                    continue
+                found.append((generalize(fqn) + "." + attr, start + problem))
+    return _once(found)
+
+
+def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
+    """Fused q, k, v projections (``out_features == (heads + 2 * kv_heads) * head_dim`` by the
+    attributes or the config of their module) whose colwise() cuts across the three parts:
+    contiguous shards of one fused output, or equal parts of unequal (GQA) q, k and v.
+
+    >>> attention = nn.Module()
+    >>> attention.num_heads, attention.num_key_value_heads, attention.head_dim = 8, 2, 16
+    >>> attention.qkv = nn.Linear(128, 192)
+    >>> print(tpfn.explain(attention, {"qkv": colwise()}, world_size=2).lints[0])
+    'qkv' of '<root>' (Module) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 contiguous shards of 96 features, across q, k and v, so each rank computes attention on the wrong features, silently; split it into separate q, k and v projections, each colwise(), or gather its output with colwise() >> prepare_out(Replicate()).
+    """
+    if world_size == 1:
+        return []
+    found = []
+    for fqn, sub in module.named_modules():
+        children = _local_children(sub, fqn, mounts)
+        if not children or not _held(sub, HEADS + KV_HEADS + HEAD_SIZES):
+            continue  # not an attention module (an MLP's widths may match by chance)
+        held = next((v for _, v in _held(sub, HEADS)), None)
+        heads = held if held is not None else _config(module, fqn, HEADS)
+        if heads is None:
+            continue
+        kv = next((v for _, v in _held(sub, KV_HEADS)), None) or (
+            _config(module, fqn, KV_HEADS) if held is None else None) or heads
+        size = next((v for _, v in _held(sub, HEAD_SIZES)), None) or _config(module, fqn, HEAD_SIZES)
+        width = next((v for _, v in _held(sub, WIDTHS)), None)
+        if size is None and width is not None and width % heads == 0:
+            size = width // heads
+        if size is None or kv > heads:
+            continue
+        q, total = heads * size, (heads + 2 * kv) * size
+        for name, child, core in children:
+            if child.out_features != total or (kv == heads and core.parts == 3):
+                continue
+            cut = (f"cuts its output into {world_size} contiguous shards of {total // world_size} "
+                   "features, across q, k and v" if core.parts == 1 else
+                   f"cuts it into {core.parts} equal parts of {total // core.parts} features, not "
+                   "q, k and v")
+            if kv < heads:
+                sentence = (
+                    f"{name!r} of {describe(sub, fqn)} fuses q, k and v of unequal sizes ({heads} "
+                    f"heads and {kv} + {kv} KV heads of {size} features: {q} + {kv * size} + "
+                    f"{kv * size} = {total} features), and {core!r} {cut}, so each rank computes "
+                    "attention on the wrong features, silently; split it into separate q, k and v "
+                    "projections, each colwise(), or gather its output with colwise() >> "
+                    "prepare_out(Replicate()).")
+            else:
+                sentence = (
+                    f"{name!r} of {describe(sub, fqn)} fuses q, k and v ({heads} heads of {size} "
+                    f"features each: 3 x {q} = {total} features), and {core!r} {cut}, so each rank "
+                    "computes attention on the wrong features, silently; use colwise(parts=3), "
+                    "which gives each rank its slice of q, of k and of v.")
+            found.append((generalize(fqn) + "." + name, sentence))
     return _once(found)
 
 
@@ -142,8 +335,88 @@ def siblings(module: nn.Module, rows) -> list:
     return _once(found)
 
 
-def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str) -> str:
-    """Where a dry run failed (the innermost module of ``module`` in the traceback) and why.
+def _reader(exc: BaseException) -> str:
+    """``'find_packed_sequence_indices' (transformers/masking_utils.py:761)``: the innermost frame
+    of the traceback outside torch and tpfn, the code that asked for a value."""
+    skip = tuple(sys.modules[name].__file__.rpartition("/")[0] + "/" for name in ("torch", "tpfn"))
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(skip):
+            found = (code.co_name, code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if found is None:
+        return "the forward"
+    name, path, line = found
+    return f"{name!r} ({path.rpartition('site-packages/')[2]}:{line})"
+
+
+def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
+    """nanoGPT's ``q, k, v = self.c_attn(x).split(self.n_embd, dim=2)`` on a local shard."""
+    children = _local_children(sub, fqn, mounts)
+    counts = re.search(r"expected (\d+), got (\d+)", text)
+    if not children or counts is None:
+        return None
+    expected, got = map(int, counts.groups())
+    name, child, core = next((c for c in children if c[2].parts == expected), children[0])
+    out, parts = child.out_features, core.parts
+    part = out // (parts if parts > 1 else expected)
+    attr = next((f" ({n} = {v})" for n, v in _held(sub, WIDTHS) if v == part), "")
+    pieces = f"{got} piece{'s' if got != 1 else ''}"
+    held, who = f"{out // world_size} of its {out} features", repr(fqn or "<root>")
+    if parts == 1:
+        return (f"{who} splits the local output of its colwise() {name!r}: each of the "
+                f"{world_size} ranks holds {held}, so a split by the global size{attr} gives "
+                f"{pieces}, not {expected}; bind it to colwise(parts={expected}), so that each "
+                f"rank holds its slice of every part, and split by the local size or with "
+                f".chunk({expected}, dim=-1).")
+    return (f"{who} splits the local output of its {core!r} {name!r}: each of the "
+            f"{world_size} ranks holds {held} (1/{world_size} of each of its {parts} parts), so a split by the "
+            f"global size{attr} gives {pieces}, not {expected}; split by the local size "
+            f"({out // parts} // {world_size} = {out // parts // world_size}) or with "
+            f".chunk({parts}, dim=-1), or hand it DTensors with colwise(local=False).")
+
+
+def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
+    """A rowwise() linear handed a whole input: no colwise() module before it."""
+    core = mounts[fqn].style.core if fqn in mounts else None
+    if getattr(core, "kind", None) != "rowwise" or not isinstance(sub, nn.Linear):
+        return None
+    dims = re.search(r"\[(?:\d+, )*(\d+)\] X \[(\d+), \d+\]", text) or re.search(
+        r"\(\d+x(\d+) and (\d+)x\d+\)", text)
+    if dims is None:
+        return None
+    got, local = map(int, dims.groups())
+    if got != sub.in_features or local == got:
+        return None
+    return (f"{fqn or '<root>'!r} is rowwise(): each rank holds {local} of its {got} input "
+            f"features, so it takes the local shard that a colwise() module hands on, but its input has all {got} "
+            "(the global in_features): no colwise() module feeds it; bind the projection before "
+            "it to colwise(), or split a replicated input with prepare_in(Replicate()) >> "
+            "rowwise().")
+
+
+def _meta_hint(module: nn.Module, exc: BaseException):
+    """A value read from a meta tensor (``.item()``, ``bool()``): the dry run has none."""
+    reader = _reader(exc)
+    hint = (f"{reader} reads the value of a tensor (.item(), bool(), a branch on it), but the dry "
+            "run's tensors are meta tensors, which hold no values")
+    config = vars(module).get("config")
+    if "find_packed_sequence_indices" in reader or (
+            "transformers/" in reader and getattr(config, "use_cache", None) is False):
+        return hint + (
+            "; transformers reads the position ids to find packed sequences when a model runs "
+            "without a cache and without an attention mask (use_cache=False, as for training): "
+            "pass use_cache=True with the example inputs, e.g. example_inputs={'input_ids': "
+            "(2, 8), 'use_cache': True}, which changes no collective.")
+    return hint + ("; make that value a Python number (an attribute or an argument), or leave "
+                   "out the example inputs for placements and declared layouts only.")
+
+
+def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str,
+            stand_ins: dict | None = None) -> str:
+    """Where a dry run failed (the innermost module of ``module`` in the traceback) and why;
+    ``stand_ins`` (symbol -> value) names the stand-in sizes of a symbolic dry run.
 
     >>> linear = nn.Linear(2, 2)
     >>> try:
@@ -161,21 +434,31 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
             fqn = names[id(owner)]
         tb = tb.tb_next
     where = f" in {describe(module.get_submodule(fqn), fqn)}" if fqn is not None else ""
-    message = f"the dry run's {phase} failed{where}: {type(exc).__name__}: {exc}"
-    children = module.get_submodule(fqn).named_children() if fqn is not None else ()
-    local = [name for name, _ in children if _colwise(mounts, _join(fqn, name))]
-    split = fqn is not None and all(
-        n % world_size == 0 for n in _heads(module.get_submodule(fqn), fqn, mounts))
+    if stand_ins:
+        where += " at the stand-in sizes " + ", ".join(
+            f"{x}={v}" for x, v in sorted(stand_ins.items(), key=lambda kv: str(kv[0])))
+    text = str(exc)
+    message = f"the dry run's {phase} failed{where}: {type(exc).__name__}: {text}"
+    sub = module.get_submodule(fqn) if fqn is not None else None
+    local = [name for name, _ in sub.named_children() if _colwise(mounts, _join(fqn, name))] \
+        if sub is not None else []
+    split = sub is not None and all(n % world_size == 0 for n in _heads(sub, fqn, mounts))
     sep = " " if message[-1] in ".!?" else ". "
-    if fqn is not None and "got mixed torch.Tensor and DTensor" in str(exc):
-        message += (
-            f"{sep}Hint: {fqn!r} computes on DTensors it is handed, but holds plain parameters: bind "
-            "it in the plan (colwise(), rowwise(), replicate(), ...), or hand it local tensors.")
-    elif local and split and "is invalid for input of size" in str(exc):
-        message += (
-            f"{sep}Hint: {fqn!r} reshapes the local outputs of its colwise() "
-            f"{', '.join(map(repr, local))}: each of the {world_size} ranks holds 1/{world_size} "
-            f"of their features (of the heads), so a view with the global head count fails; view "
-            f"with the local count (heads // {world_size}) or -1, or hand it DTensors with "
-            "colwise(local=False).")
-    return message
+    name, hint = fqn or "<root>", None
+    if fqn is not None and "got mixed torch.Tensor and DTensor" in text:
+        hint = (f"{name!r} computes on DTensors it is handed, but holds plain parameters: bind it in "
+                "the plan (colwise(), rowwise(), replicate(), ...), or hand it local tensors.")
+    elif local and split and "is invalid for input of size" in text:
+        hint = (f"{name!r} reshapes the local outputs of its colwise() "
+                f"{', '.join(map(repr, local))}: each of the {world_size} ranks holds 1/{world_size} "
+                f"of their features (of the heads), so a view with the global head count fails; view "
+                f"with the local count (heads // {world_size}) or -1, or hand it DTensors with "
+                "colwise(local=False).")
+    elif sub is not None and isinstance(exc, ValueError) and "values to unpack" in text:
+        hint = _unpack_hint(sub, fqn, mounts, world_size, text)
+    elif sub is not None and isinstance(exc, RuntimeError) and (
+            "same reduction dim" in text or "cannot be multiplied" in text):
+        hint = _rowwise_hint(sub, fqn, mounts, text)
+    elif "meta tensor" in text and ("item()" in text or "no data" in text):
+        hint = _meta_hint(module, exc)
+    return message if hint is None else f"{message}{sep}Hint: {hint}"
