@@ -76,3 +76,24 @@ def _dynamic_shapes():
 def test_a_compiled_model_takes_new_shapes(ranks2):
     for err, graphs, breaks in ranks2.run(_dynamic_shapes):
         assert err <= 1e-5 and (graphs, breaks) == (2, 0)  # static, then one symbolic graph
+
+
+def _warnings():
+    import warnings
+
+    m = mesh(2)
+    model = local_heads(tpfn.parallelize(transformer(vocab_size=16, n_layers=2), m,
+                                         transformer_plan(True)), 2)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = torch.compile(model, backend="aot_eager")
+        run(torch.randint(0, 16, (4, 8))).sum().backward()
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+
+
+def test_compiling_a_parallelized_transformer_warns_nothing_of_tpfns(ranks2):
+    """No warning from tpfn's own code under torch.compile (Dynamo warns about caches it
+    cannot trace, for instance)."""
+    found = [w for w in ranks2.run(_warnings)[0] if "tpfn" in w]
+    assert found == []

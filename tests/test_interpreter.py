@@ -380,3 +380,20 @@ def test_a_module_kinds_own_rows_say_what_the_built_ins_mean_for_it(ranks2):
     assert _too_far(*ranks2.run(_own_rows)) == {}
     with pytest.raises(PlanError, match=r"sequence_parallel\(\) at '0' \(Proj\): no\."):
         tpfn.resolve({"0": sequence_parallel()}, nn.Sequential(Proj(4, 4)))
+
+
+def test_parallelize_logs_what_it_bound_under_the_tpfn_logger(caplog):
+    """torchtitan users read a DEBUG log of what was bound: one line per module."""
+    from tpfn.dryrun import fake_mesh
+
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with caplog.at_level("DEBUG", logger="tpfn"):
+        tpfn.parallelize(mlp, fake_mesh(2), {"0": colwise(), "2": rowwise()}, src_rank=None)
+    assert [r.getMessage() for r in caplog.records if r.name == "tpfn"] == [
+        "parallelize: '0' (Linear) colwise(): bias Shard(dim=0), weight Shard(dim=0); "
+        "input 0 None -> Replicate(); output 0 Shard(dim=-1) -> Shard(dim=-1); computes on local "
+        "shards",
+        "parallelize: '2' (Linear) rowwise(): bias Replicate(), weight Shard(dim=1); "
+        "input 0 None -> Shard(dim=-1); output 0 Partial() -> Replicate(); computes on local shards",
+    ]

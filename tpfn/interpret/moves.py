@@ -34,11 +34,15 @@ __all__ = ["move", "placements", "failed", "collective", "param_slots", "local_p
            "dropout_slice"]
 
 
-@functools.lru_cache(maxsize=1024)
+_placements = functools.lru_cache(maxsize=1024)(to_torch)
+
+
 def placements(layout, ndim: int) -> tuple:
     """The torch placements of a 1-D layout for a tensor of ``ndim`` dims (shard dims
-    normalized)."""
-    return to_torch(layout, ndim)
+    normalized); remembered, except in compiled code (which traces the conversion once)."""
+    if torch.compiler.is_compiling():
+        return to_torch(layout, ndim)
+    return _placements(layout, ndim)
 
 
 def failed(what: str, src, dst, error: Exception, mesh) -> CollectiveError:

@@ -18,6 +18,7 @@ them on (a row-wise module's are summed), whenever they were registered.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,8 @@ from tpfn.layout import Partial, from_torch
 from tpfn.plans.plan import resolve
 
 __all__ = ["parallelize", "mounted", "runtime", "Runtime"]
+
+log = logging.getLogger("tpfn")
 
 
 class Runtime:
@@ -240,4 +243,17 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", _described(m, sub))
     return module
+
+
+def _described(mount, module: nn.Module) -> str:
+    """One line of what ``parallelize`` mounted on ``module``, for the ``tpfn`` logger."""
+    slots = [*(f"input {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(mount.inputs.slots)
+               if not s.untouched),
+             *(f"output {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(mount.outputs.slots))]
+    placed = ", ".join(f"{n} {p!r}" for n, p in mount.params) or "no parameters"
+    how = "on local shards" if mount.kernel is not None else "on DTensors"
+    return (f"parallelize: {describe(module, mount.fqn)} {mount.style!r}: {placed}; "
+            f"{'; '.join(slots) or 'no slots'}; computes {how}")
