@@ -276,8 +276,8 @@ class _Both(nn.Module):
 
 RANKED = {
     "mesh not a mesh": ("TypeError", exact(
-        "'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)) "
-        "(got 'cpu' that is a <class 'str'>).")),
+        "'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)), or "
+        "given by an enclosing `with mesh:` (got 'cpu' that is a <class 'str'>).")),
     "module not a module": ("TypeError", r"^'module' must be an nn\.Module \(got <function"),
     "an N-D mesh": ("ValueError", exact(
         "parallelize takes the 1-D tensor-parallel mesh, got a 2-D mesh (2, 1) with dims "

@@ -397,3 +397,19 @@ def test_parallelize_logs_what_it_bound_under_the_tpfn_logger(caplog):
         "parallelize: '2' (Linear) rowwise(): bias Replicate(), weight Shard(dim=1); "
         "input 0 None -> Shard(dim=-1); output 0 Partial() -> Replicate(); computes on local shards",
     ]
+
+
+def _inside_with_mesh() -> tuple:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with mesh(2):
+        tp = tpfn.parallelize(clone(ref), plan={"0": colwise(), "2": rowwise()})
+    x = torch.randn(3, 4)
+    return tp[0].weight.device_mesh is mesh(2), rel_err(tp(x), ref(x)) <= TOL
+
+
+def test_parallelize_inside_with_mesh_takes_that_mesh(ranks2):
+    """As PyTorch's parallelize_module: the mesh of the enclosing ``with mesh:`` block."""
+    assert ranks2.run(_inside_with_mesh) == [(True, True)] * 2
+    with pytest.raises(TypeError, match="parallelize needs a plan"):
+        tpfn.parallelize(nn.Linear(2, 2), None)

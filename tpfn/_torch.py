@@ -23,7 +23,7 @@ __all__ = [
     "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
-    "MIXING", "assert_async", "private_mesh", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
+    "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
 ]
 
 
@@ -76,3 +76,10 @@ def private_mesh(name: str, group, world_size: int, rank: int):
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
     return mesh
+
+
+def current_mesh():
+    """The mesh of the innermost ``with mesh:`` block, or None."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.mesh_stack[-1] if _mesh_resources.mesh_stack else None

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
+from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
@@ -151,8 +152,8 @@ def mounted(module: nn.Module):
 def _check_mesh(mesh, src_rank) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
-            f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)) "
-            f"(got {mesh!r} that is a {type(mesh)!r})."
+            f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)), "
+            f"or given by an enclosing `with mesh:` (got {mesh!r} that is a {type(mesh)!r})."
         )
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
@@ -196,9 +197,12 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
     return {full: placement for full, placement, _ in by_param.values()}, found
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | None = 0) -> nn.Module:
+def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan=None, *,
+                src_rank: int | None = 0) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
+    ``mesh`` defaults to the one of the enclosing ``with mesh:`` block, as PyTorch's
+    ``parallelize_module`` does.
     ``plan`` is a ``tpfn.plan(...)``, a dict of FQN pattern -> style, or one style for the
     module itself. Parameters become DTensor parameters (tied ones stay one parameter); each
     bound module's forward runs its style (see the module docstring). ``src_rank`` is the rank
@@ -220,6 +224,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan, *, src_rank: int | No
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
+    if plan is None:
+        raise TypeError("parallelize needs a plan: a dict of FQN pattern -> style, a tpfn.plan(...), "
+                        "or one style for the module itself (PyTorch plans: tpfn.from_torch(plan)).")
+    mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
     bound = resolve(plan, module)
     modules = dict(module.named_modules())
