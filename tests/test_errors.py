@@ -132,7 +132,8 @@ PURE = [
     ("plan not a dict", lambda: plan(["w1"]), TypeError,
      exact("a plan is built from a dict of pattern -> style (got ['w1']).")),
     ("plans conflict", lambda: plan({"w": colwise()}) | {"w": rowwise()}, PlanError,
-     r"'w' is bound to colwise\(\) and to rowwise\(\)$"),
+     r"'w' is bound to colwise\(\) and to rowwise\(\); bind it once, or override it: "
+     r"plan\.override\(\{'w': rowwise\(\)\}\)$"),
     ("pattern matches nothing", lambda: resolve({"layers.*.atention.wq": colwise()}, transformer()),
      PlanError, r"'layers\.\*\.atention\.wq' -> colwise\(\) matches no module; did you mean "
      r"'layers\.\*\.attention\.wq'"),

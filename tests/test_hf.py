@@ -1,5 +1,7 @@
 """``from_hf``: transformers' plan strings as tpfn styles, on real tiny transformers models."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -379,3 +381,39 @@ def _old_moe():
 def test_transformers_4_gather_and_local_styles_sum_local_experts(ranks2):
     error, comm = ranks2.run(_old_moe)[0]
     assert error <= TOL and comm == {"all_reduce": 1}
+
+
+def test_a_from_hf_plan_prints_one_rule_per_line_and_evaluates_back():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    p = from_hf(qwen2.tp_plan, qwen2)
+    assert repr(p) == """plan({
+    'lm_head': colwise() >> prepare_out(Replicate()),
+    'model.embed_tokens': rowwise(),
+    'model.layers.*.mlp': prepare_in(Replicate()),
+    'model.layers.*.mlp.down_proj': rowwise(),
+    'model.layers.*.mlp.gate_proj': colwise(),
+    'model.layers.*.mlp.up_proj': colwise(),
+    'model.layers.*.self_attn': prepare_in(Replicate()),
+    'model.layers.*.self_attn.k_proj': colwise(),
+    'model.layers.*.self_attn.o_proj': rowwise(),
+    'model.layers.*.self_attn.q_proj': colwise(),
+    'model.layers.*.self_attn.v_proj': colwise(),
+})"""
+    namespace = {name: getattr(tpfn, name) for name in tpfn.__all__}
+    assert eval(repr(p), namespace) == p
+    assert eval(repr(from_hf(llama().tp_plan, llama())), namespace) == from_hf(llama().tp_plan, llama())
+
+
+def test_one_rule_of_a_from_hf_plan_is_overridden_and_its_conflict_names_how():
+    model = llama()
+    p = from_hf(model.tp_plan, model)
+    with pytest.raises(PlanError, match=re.escape(
+            "bind it once, or override it: plan.override({'lm_head': colwise(local=False)})")):
+        p | {"lm_head": colwise(local=False)}
+    q = p.override({"lm_head": colwise(local=False)})
+    assert q.without("lm_head") == p.without("lm_head")
+    assert dict(q.rules)["lm_head"] == colwise(local=False)
+    assert [m.style for m in tpfn.resolve(q, model) if m.fqn == "lm_head"] == [colwise(local=False)]

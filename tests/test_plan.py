@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 from tests.models import transformer, transformer_plan
 from tpfn import (
-    PlanError, Replicate, colwise, plan, prepare_in, prepare_out, resolve, rowwise,
+    PlanError, Replicate, Shard, colwise, plan, prepare_in, prepare_out, resolve, rowwise,
     sequence_parallel,
 )
-from tpfn.plans.plan import as_plan
+from tpfn.plans.plan import WIDTH, as_plan
+from tests.test_style import NAMESPACE, valid_styles
 
 
 def test_a_plan_is_a_value():
@@ -34,7 +35,9 @@ def test_nesting_and_merging():
     assert ({"w3": colwise()} | mlp) == plan({"w1": colwise(), "w2": rowwise(), "w3": colwise()})
     with pytest.raises(PlanError) as info:
         mlp | plan({"w1": rowwise()})
-    assert info.value.problems == ["'w1' is bound to colwise() and to rowwise()"]
+    assert info.value.problems == [
+        "'w1' is bound to colwise() and to rowwise(); bind it once, or override it: "
+        "plan.override({'w1': rowwise()})"]
 
 
 @pytest.mark.parametrize("bad, error, message", [
@@ -146,3 +149,108 @@ def test_a_pytorch_style_in_a_plan_names_from_torch():
     with pytest.raises(TypeError, match=r"plan\['0'\] is PyTorch's ColwiseParallel\(\.\.\.\), not a "
                                         r"tpfn style; convert the whole plan with tpfn.from_torch"):
         resolve({"0": ColwiseParallel()}, nn.Sequential(nn.Linear(2, 2)))
+
+
+# Patterns as plans have them: "" (the module itself) or dotted names, globs, layer stars.
+names = st.sampled_from(["layers", "*", "0", "attention", "w[qkv]", "mlp", "*_proj", "lm_head",
+                         "model", "self_attn", "q_proj"])
+patterns = st.one_of(st.just(""), st.lists(names, min_size=1, max_size=5).map(".".join))
+plans = st.dictionaries(patterns, valid_styles, max_size=12).map(plan)
+
+
+@given(plans)
+def test_a_plan_prints_as_the_code_that_builds_it_on_one_line_or_one_rule_per_line(p):
+    text = repr(p)
+    assert eval(text, NAMESPACE) == p
+    one_line = f"plan({dict(p.rules)!r})"
+    if len(one_line) <= WIDTH:
+        assert text == one_line
+    else:
+        lines = text.split("\n")
+        assert lines[0] == "plan({" and lines[-1] == "})" and len(lines) == len(p.rules) + 2
+        assert lines[1:-1] == [f"    {pattern!r}: {style!r}," for pattern, style in p.rules]
+
+
+def test_a_long_plan_reads_as_a_list_and_a_short_one_stays_on_one_line():
+    short = plan({"w1": colwise(), "w2": prepare_in(Shard(-1)) >> rowwise() >> prepare_out(Shard(1))})
+    assert repr(short) == ("plan({'w1': colwise(), 'w2': prepare_in(Shard(dim=-1)) >> rowwise() "
+                           ">> prepare_out(Shard(dim=1))})")
+    assert repr(plan({})) == "plan({})"
+    assert repr(plan(transformer_plan(sp=False))) == """plan({
+    'layers.*.attention': prepare_in(Replicate()),
+    'layers.*.attention.w[qkv]': colwise(),
+    'layers.*.attention.wo': rowwise(),
+    'layers.*.feed_forward.w1': colwise(),
+    'layers.*.feed_forward.w2': rowwise(),
+    'output': colwise() >> prepare_out(Replicate()),
+    'pos_embeddings': rowwise(),
+    'tok_embeddings': rowwise(),
+})"""
+
+
+def test_override_replaces_the_rules_of_its_patterns_and_adds_the_others():
+    p = plan({"w1": colwise(), "w2": rowwise(), "w3": colwise()})
+    assert p.override({"w2": colwise(local=False), "w4": rowwise()}) == plan({
+        "w1": colwise(), "w2": colwise(local=False), "w3": colwise(), "w4": rowwise()})
+    assert p.override(plan({"w1": rowwise()})) == plan({"w1": rowwise(), "w2": rowwise(),
+                                                       "w3": colwise()})
+    assert p.override({"mlp": {"w1": rowwise()}}) == p | {"mlp.w1": rowwise()}   # nested
+    assert p.override(prepare_in(Replicate())) == p | {"": prepare_in(Replicate())}
+    assert p.override({}) == p and p.override(p) == p
+    assert p == plan({"w1": colwise(), "w2": rowwise(), "w3": colwise()})        # unchanged
+    # Where | would succeed, override is the same merge.
+    assert p.override({"w1": colwise(), "w5": rowwise()}) == p | {"w5": rowwise()}
+
+
+def test_override_replaces_exact_patterns_only():
+    """``layers.0.mlp`` beside ``layers.*.mlp`` is a second rule; resolve then reports the
+    module bound twice, as it would for any plan."""
+    p = plan({"layers.*.feed_forward.w1": colwise()})
+    q = p.override({"layers.0.feed_forward.w1": rowwise()})
+    assert len(q.rules) == 2
+    with pytest.raises(PlanError, match="bound to 2 styles"):
+        resolve(q, transformer(n_layers=1))
+
+
+def test_without_removes_rules():
+    p = plan({"w1": colwise(), "w2": rowwise(), "w3": colwise()})
+    assert p.without("w2") == plan({"w1": colwise(), "w3": colwise()})
+    assert p.without("w1", "w3") == plan({"w2": rowwise()})
+    assert p.without() == p and p.without("w1", "w2", "w3") == plan({})
+
+
+def test_without_an_unknown_pattern_names_the_near_misses():
+    p = plan({"lm_head": colwise(), "model.layers.*.mlp.up_proj": colwise()})
+    with pytest.raises(ValueError) as info:
+        p.without("lm_haed", "layers.*.mlp.up_proj", "norm", "lm_head")
+    assert str(info.value) == (
+        "plan.without('lm_haed', 'layers.*.mlp.up_proj', 'norm', 'lm_head'): "
+        "no rule has the pattern 'lm_haed' (did you mean 'lm_head'?); "
+        "no rule has the pattern 'layers.*.mlp.up_proj' (did you mean "
+        "'model.layers.*.mlp.up_proj'?); "
+        "no rule has the pattern 'norm' (its patterns: 'lm_head', 'model.layers.*.mlp.up_proj'); "
+        "give each pattern exactly as the plan has it (print(plan) lists them).")
+    with pytest.raises(ValueError, match=r"no rule has the pattern 'w1' \(it has none\)"):
+        plan({}).without("w1")
+    with pytest.raises(TypeError, match="plan keys must be module FQN patterns"):
+        p.without(1)
+
+
+def test_a_conflict_names_override_with_the_right_hand_rule():
+    p = plan({"lm_head": colwise() >> prepare_out(Replicate()), "w": rowwise()})
+    with pytest.raises(PlanError) as info:
+        p | {"lm_head": colwise(local=False), "w": colwise()}
+    assert info.value.problems == [
+        "'lm_head' is bound to colwise() >> prepare_out(Replicate()) and to colwise(local=False); "
+        "bind it once, or override it: plan.override({'lm_head': colwise(local=False)})",
+        "'w' is bound to rowwise() and to colwise(); bind it once, or override it: "
+        "plan.override({'w': colwise()})",
+    ]
+    with pytest.raises(PlanError, match=r"override it: plan.override\(\{'w': rowwise\(\)\}\)$"):
+        {"w": colwise()} | p
+    fixed = p.override({"lm_head": colwise(local=False), "w": colwise()})
+    assert dict(fixed.rules)["lm_head"] == colwise(local=False)
+    # Within one plan, a nested rule and a flat one of the same pattern: bind it once.
+    with pytest.raises(PlanError) as info:
+        plan({"mlp": {"w1": colwise()}, "mlp.w1": rowwise()})
+    assert info.value.problems == ["'mlp.w1' is bound to colwise() and to rowwise()"]

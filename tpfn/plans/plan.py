@@ -3,7 +3,8 @@
 A pattern is a dotted module path; ``*`` matches one name component (any ``fnmatch``
 pattern works within a component) and ``""`` is the module itself. A value may be a plan
 (or a dict) to nest under the key's prefix. ``a | b`` merges plans; a pattern bound to two
-different styles is an error.
+different styles is an error. ``p.override(rules)`` replaces the rules of the same patterns
+and adds the others; ``p.without(*patterns)`` removes rules.
 
 >>> from tpfn import Replicate, colwise, prepare_out, rowwise
 >>> p = plan({"layers.*": {"attention.wq": colwise(), "attention.wo": rowwise()}})
@@ -13,6 +14,17 @@ plan({'layers.*.attention.wo': rowwise(), 'layers.*.attention.wq': colwise()})
 ...     "layers.*.attention.wq": colwise(), "layers.*.attention.wo": rowwise(),
 ...     "output": colwise() >> prepare_out(Replicate())})
 True
+
+A plan prints on one line while it fits in ``WIDTH`` columns, else one rule per line:
+
+>>> p.override({"layers.*.attention.wq": rowwise(), "output": colwise() >> prepare_out()})
+plan({
+    'layers.*.attention.wo': rowwise(),
+    'layers.*.attention.wq': rowwise(),
+    'output': colwise() >> prepare_out(),
+})
+>>> p.without("layers.*.attention.wo")
+plan({'layers.*.attention.wq': colwise()})
 
 ``resolve(plan, module)`` returns what ``parallelize`` mounts, a ``Mount`` per bound module
 in module order, or raises one ``PlanError`` that lists every pattern matching nothing (with
@@ -26,12 +38,15 @@ import difflib
 import attrs
 import torch.nn as nn
 
-from tpfn._fqn import describe, generalize, join, matches
+from tpfn._fqn import describe, generalize, join, matches, near
 from tpfn.errors import PlanError
 from tpfn.plans.mount import try_mount
 from tpfn.style.style import Style
 
 __all__ = ["Plan", "plan", "as_plan", "resolve"]
+
+# The widest plan printed on one line (a plan of a few rules, as in from_torch's doctest).
+WIDTH = 100
 
 
 def _check_pattern(pattern) -> str:
@@ -69,12 +84,15 @@ def _flatten(mapping, prefix: str = "") -> list:
     return out
 
 
-def _merge(rules) -> tuple:
+def _merge(rules, fix: str = "") -> tuple:
+    """The rules sorted by pattern, each once; ``fix`` (formatted with the conflicting
+    pattern and right-hand style) ends the problem of a pattern bound to two styles."""
     merged: dict = {}
     conflicts = []
     for pattern, style in rules:
         if pattern in merged and merged[pattern] != style:
-            conflicts.append(f"{pattern!r} is bound to {merged[pattern]!r} and to {style!r}")
+            conflicts.append(f"{pattern!r} is bound to {merged[pattern]!r} and to {style!r}"
+                             + fix.format(rule=f"{{{pattern!r}: {style!r}}}"))
         merged.setdefault(pattern, style)
     if conflicts:
         raise PlanError(conflicts)
@@ -88,19 +106,59 @@ class Plan:
     rules: tuple = ()
 
     def __or__(self, other) -> "Plan":
-        """Both plans' rules; a pattern bound to two different styles is an error."""
-        return Plan(_merge(self.rules + as_plan(other).rules))
+        """Both plans' rules; a pattern bound to two different styles is an error (to
+        replace a rule, ``override`` it)."""
+        return Plan(_merge(self.rules + as_plan(other).rules, _OVERRIDE))
 
     def __ror__(self, other) -> "Plan":
         """``{pattern: style} | plan(...)``: the dict's rules, then the plan's."""
-        return Plan(_merge(as_plan(other).rules + self.rules))
+        return Plan(_merge(as_plan(other).rules + self.rules, _OVERRIDE))
+
+    def override(self, rules) -> "Plan":
+        """This plan with ``rules`` (a plan, a dict as ``plan`` takes, or a style for the
+        module itself) replacing the rules of the same patterns, and adding the others.
+
+        A pattern only replaces the rule of exactly that pattern: ``'layers.0.mlp'`` next to
+        ``'layers.*.mlp'`` is a second rule, and a pattern that matches no module (a typo) is
+        reported, with near misses, when the plan is resolved.
+
+        >>> plan({"w1": colwise(), "w2": rowwise()}).override({"w2": colwise(), "w3": rowwise()})
+        plan({'w1': colwise(), 'w2': colwise(), 'w3': rowwise()})
+        """
+        return Plan(tuple(sorted({**dict(self.rules), **dict(as_plan(rules).rules)}.items())))
+
+    def without(self, *patterns: str) -> "Plan":
+        """This plan less the rules of ``patterns`` (each exactly as the plan has it); a
+        pattern the plan lacks is an error naming its near misses.
+
+        >>> plan({"w1": colwise(), "w2": rowwise()}).without("w2")
+        plan({'w1': colwise()})
+        """
+        rules = dict(self.rules)
+        unknown = [p for p in map(_check_pattern, patterns) if p not in rules]
+        if unknown:
+            listed = ", ".join(map(repr, list(rules)[:8])) + (", ..." if len(rules) > 8 else "")
+            said = "; ".join(
+                f"no rule has the pattern {p!r}"
+                + (near(p, rules) or (f" (its patterns: {listed})" if rules else " (it has none)"))
+                for p in unknown)
+            called = ", ".join(map(repr, patterns))
+            raise ValueError(f"plan.without({called}): {said}; give each pattern exactly as the "
+                             "plan has it (print(plan) lists them).")
+        return Plan(tuple((p, s) for p, s in self.rules if p not in patterns))
 
     def under(self, prefix: str) -> "Plan":
         """This plan nested under ``prefix``: ``plan({"w1": s}).under("mlp") == plan({"mlp.w1": s})``."""
         return plan({_check_pattern(prefix): self})
 
     def __repr__(self):
-        return f"plan({dict(self.rules)!r})"
+        line = f"plan({dict(self.rules)!r})"
+        if len(line) <= WIDTH:
+            return line
+        return "plan({\n" + "".join(f"    {p!r}: {s!r},\n" for p, s in self.rules) + "})"
+
+
+_OVERRIDE = "; bind it once, or override it: plan.override({rule})"
 
 
 def plan(mapping=None) -> Plan:
