@@ -132,3 +132,22 @@ def test_a_deep_copy_of_a_parallelized_model_runs_and_is_not_parallelized_twice(
     same, message = ranks2.run(_deep_copy)[0]
     assert same
     assert "'0' (Linear) is already parallelized (colwise()); parallelize a fresh module" in message
+
+
+def _checkpointed(reentrant: bool):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    tp = tpfn.parallelize(clone(ref), mesh(2), {"0": colwise(), "2": rowwise()})
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(tp, x, use_reentrant=reentrant).pow(2).sum().backward()
+    ref(x.detach()).pow(2).sum().backward()
+    return max(rel_err(p.grad.full_tensor(), q.grad) for p, q in zip(tp.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_is_first_order_and_runs(ranks2, reentrant):
+    """The refusal of second-order gradients leaves activation checkpointing alone: its
+    recomputation's backward builds no graph."""
+    assert max(ranks2.run(_checkpointed, reentrant)) <= TOL
