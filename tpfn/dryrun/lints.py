@@ -26,7 +26,7 @@ import torch.nn as nn
 from tpfn._fqn import describe, generalize
 from tpfn.layout import Shard
 
-__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure"]
+__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure", "failing_module"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -413,6 +413,18 @@ def _meta_hint(module: nn.Module, exc: BaseException):
                    "out the example inputs for placements and declared layouts only.")
 
 
+def failing_module(exc: BaseException, module: nn.Module) -> str | None:
+    """The FQN of the innermost module of ``module`` in ``exc``'s traceback (None: none)."""
+    names, fqn = {id(m): fqn for fqn, m in module.named_modules()}, None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            fqn = names[id(owner)]
+        tb = tb.tb_next
+    return fqn
+
+
 def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str,
             stand_ins: dict | None = None) -> str:
     """Where a dry run failed (the innermost module of ``module`` in the traceback) and why;
@@ -425,14 +437,7 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
     ...     print(failure(e, linear, {}, 2, "forward"))
     the dry run's forward failed in '<root>' (Linear): RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x3 and 2x2)
     """
-    names = {id(m): fqn for fqn, m in module.named_modules()}
-    fqn = None
-    tb = exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            fqn = names[id(owner)]
-        tb = tb.tb_next
+    fqn = failing_module(exc, module)
     where = f" in {describe(module.get_submodule(fqn), fqn)}" if fqn is not None else ""
     if stand_ins:
         where += " at the stand-in sizes " + ", ".join(

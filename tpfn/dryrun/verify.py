@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from tpfn._fqn import describe
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
+from tpfn.dryrun.lints import failing_module
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.plans.plan import resolve
@@ -285,13 +286,7 @@ def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> d
 
 def _where(exc: BaseException, model: nn.Module) -> str:
     """`` in 'attn' (Attention)``: the innermost module of ``model`` in the traceback, or ''."""
-    names, found = {id(m): fqn for fqn, m in model.named_modules()}, None
-    tb = exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            found = names[id(owner)]
-        tb = tb.tb_next
+    found = failing_module(exc, model)
     return "" if found is None else f" in {describe(model.get_submodule(found), found)}"
 
 
