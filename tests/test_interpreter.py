@@ -14,6 +14,10 @@ bug pinned here is off by 0.2 or more, or raises.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -273,26 +277,29 @@ class Interrupted(nn.Module):
     def __init__(self):
         super().__init__()
         self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
-        self.stop = False
+        self.stop = None
 
     def forward(self, x):
         h = self.up(x)
-        if self.stop:
+        if self.stop == "raise":
             raise KeyboardInterrupt  # Ctrl-C while the parent computes on local shards
+        if self.stop == "signal":  # a real one, delivered while the forward waits
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
         return self.down(h)
 
 
-def _interrupted() -> tuple:
+def _interrupted(how: str) -> tuple:
     torch.manual_seed(0)
     ref = Interrupted()
     tp = tpfn.parallelize(clone(ref), mesh(2), {"": on_shards(), "up": colwise(),
                                                 "down": rowwise()})
-    tp.stop = True
+    tp.stop = how
     try:
         tp(torch.randn(3, 4))
     except KeyboardInterrupt:
         pass
-    tp.stop = False
+    tp.stop = None
     kept = all(isinstance(p, DTensor) for p in tp.parameters())
     shapes = {k: tuple(v.shape) for k, v in tp.state_dict().items()}
     x = torch.randn(3, 4)
@@ -300,12 +307,13 @@ def _interrupted() -> tuple:
         rel_err(tp(x), ref(x)) <= TOL
 
 
-def test_an_interrupted_forward_leaves_the_dtensor_parameters_in_place(ranks2):
+@pytest.mark.parametrize("how", ["raise", "signal"])
+def test_an_interrupted_forward_leaves_the_dtensor_parameters_in_place(ranks2, how):
     """A ``KeyboardInterrupt`` inside a forward that computes on local shards (which
     PyTorch's ``always_call`` forward hooks do not see) leaves every parameter a DTensor of
     its global shape, so ``state_dict()`` and checkpoints hold whole tensors and the next
     forward matches one device."""
-    assert ranks2.run(_interrupted) == [(True, True, True)] * 2
+    assert ranks2.run(_interrupted, how) == [(True, True, True)] * 2
 
 
 def _steered() -> dict:
