@@ -373,7 +373,7 @@ def test_the_table_prints_each_module_once_and_repeated_blocks_with_their_count(
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
                           example_inputs=torch.randn(8, 16, requires_grad=True))
-    assert str(report) == """\
+    assert report.text(width=None, wide=True) == """\
 tpfn.explain on 4 ranks: one forward and backward of input 0 (8, 16) float32
 
 module      style | layout                global -> local | steps  forward             backward
@@ -392,7 +392,8 @@ collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_r
 bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
 parameter bytes per rank: 2,176 B (2.1 KiB)"""
     model = local_heads(transformer(vocab_size=16, n_layers=3), 2)
-    table = str(tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(2, 8)))
+    table = tpfn.explain(model, transformer_plan(True), world_size=2,
+                         example_inputs=(2, 8)).text(width=None, wide=True)
     assert re.search(r"^layers\.\*\.attention\.wo \(Linear\) x3 +rowwise\(\) >> "
                      r"prepare_out\(Shard\(dim=1\)\) +1 reduce_scatter 512 B +1 all_gather 512 B$",
                      table, re.M)

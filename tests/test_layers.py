@@ -60,7 +60,7 @@ def test_each_layer_imports_only_the_layers_below_it_and_no_private_names():
                     target = f"{module}.{name}"
             if _floor(target) > _floor(me):
                 found.append(f"{me}:{line} imports {target}, a higher layer")
-            private = [n for n in names if n.startswith("_")]
+            private = [n for n in names if n.startswith("_") and not n.endswith("__")]
             if private:
                 found.append(f"{me}:{line} imports private {private} from {module}")
     assert found == []

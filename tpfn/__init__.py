@@ -4,6 +4,8 @@ Layouts (``Shard``, ``Replicate``, ``Partial``), styles composed with ``>>``, pl
 module FQN patterns to styles, and one interpreter, ``parallelize``.
 """
 
+import importlib.metadata as _metadata
+
 from tpfn import algebra, checkpoint, record, rng, trace
 from tpfn.adapters.from_hf import from_hf
 from tpfn.adapters.from_torch import from_torch
@@ -29,6 +31,11 @@ from tpfn.style.constructors import (
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.loss import cross_entropy
+
+try:
+    __version__ = _metadata.version("tpfn")
+except _metadata.PackageNotFoundError:  # run from a checkout that is not installed: pyproject.toml's
+    __version__ = "0.1.0"
 
 __all__ = [
     "Shard", "Replicate", "Partial", "to_torch", "from_torch",

@@ -2,18 +2,22 @@
 ``tpfn verify MODEL PLAN --world-size N --input SHAPE`` (the plan run on N real ranks and
 compared with one device; exit status 0 when every number agrees, else 1, the report printed).
 
-``MODEL`` and ``PLAN`` are import paths, ``package.module:name`` (or ``package.module.name``):
-a module or a plan, or a function that returns one when called without arguments. Shapes
-are comma-separated sizes; a name is a symbol (``--input b,s``), whose stand-in value
-``--size s=16`` may set. The table goes to standard output (``--json``: the report's
-``to_dict()``), ``--html FILE`` writes the picture. A plan that cannot work prints its
-problems to standard error and exits with 1.
+MODEL and PLAN are import paths, package.module:name (or package.module.name), or a file and
+a name in it, path/to/model.py:GPT: a module or a plan, or a function that returns one when
+called without arguments. Each --input is [NAME=]SHAPE[:DTYPE][:grad]: comma-separated sizes
+(a name is a symbol, --input b,s, whose stand-in value --size s=16 may set), a keyword
+input's name (--input input_ids=1,256), the input's own dtype (8,16:float32; --dtype for the
+others) and grad for an input that needs a gradient (8,16:float32:grad), whose gradient's
+collectives the backward then shows. The table fits the terminal (--width N; --wide: every
+parameter and slot, as wide as it takes), --json prints the report's to_dict(), --html FILE
+writes the picture. A plan that cannot work prints its problems to standard error and exits
+with 1 (--traceback: the Python traceback, down to the line that failed).
 
->>> main(["explain", "torch.nn:Identity", "tpfn:identity", "--world-size", "2"])
+>>> main(["explain", "torch.nn:Identity", "tpfn:identity", "--world-size", "2", "--width", "80"])
 tpfn.explain on 2 ranks: no inputs given, nothing ran
 <BLANKLINE>
-module             style | layout  global -> local | steps  forward  backward
-<root> (Identity)  identity()                               -        -
+module             style       forward  backward
+<root> (Identity)  identity()  -        -
 <BLANKLINE>
 collectives per step: forward none; backward none; total none
 bytes per rank per step: forward 0 B; backward 0 B; total 0 B
@@ -25,33 +29,84 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
 import json
 import os
+import re
+import shutil
 import sys
+import textwrap
 
 import sympy
 import torch
 import torch.nn as nn
 
 from tpfn.dryrun import explain
+from tpfn.dryrun.explain import ExampleInput
+from tpfn.dryrun.report import MIN_WIDTH
 from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError
 
 __all__ = ["main"]
 
+_FILES: dict = {}  # a model or plan file loaded once: its absolute path -> the module
+_WHERE = "rerun with --traceback to see where"
 
-def _load(path: str, what: str):
-    """The object at ``package.module:name`` or ``package.module.name``, called if a factory."""
+
+def _file(file: str, what: str, path: str, traceback: bool):
+    """The module a Python file defines, run once (its folder importable, as ``python`` runs
+    a script), under its own name where that name is free."""
+    full = os.path.abspath(file)
+    if full in _FILES:
+        return _FILES[full]
+    if not os.path.isfile(full):
+        raise argparse.ArgumentTypeError(
+            f"cannot load the {what} {path!r}: there is no file {file!r} (in {os.getcwd()})")
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(full))[0])
+    name = stem if stem.isidentifier() and stem not in sys.modules else f"_tpfn_file_{stem}_{len(_FILES)}"
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    if os.path.dirname(full) not in sys.path:
+        sys.path.insert(0, os.path.dirname(full))
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        if traceback or not isinstance(e, Exception):
+            raise
+        raise argparse.ArgumentTypeError(
+            f"cannot load the {what} {path!r}: {type(e).__name__}: {e} ({_WHERE})") from None
+    _FILES[full] = module
+    return module
+
+
+def _load(path: str, what: str, traceback: bool = False):
+    """The object at ``package.module:name``, ``package.module.name`` or ``file.py:name``,
+    called if a factory."""
     module, sep, name = path.partition(":")
+    is_file = module.endswith(".py") or "/" in module or os.sep in module
+    if is_file and not name:
+        raise argparse.ArgumentTypeError(
+            f"cannot load the {what} {path!r}: name the object in the file, {module}:NAME")
     if not sep:
         module, _, name = path.rpartition(".")
     try:
-        value = importlib.import_module(module)
+        value = _file(module, what, path, traceback) if is_file else importlib.import_module(module)
         for part in name.split("."):
             value = getattr(value, part)
+    except argparse.ArgumentTypeError:
+        raise
     except (ImportError, AttributeError, ValueError) as e:
+        if traceback:
+            raise
         raise argparse.ArgumentTypeError(f"cannot load the {what} {path!r}: {e}") from None
+    except Exception as e:
+        if traceback:
+            raise
+        raise argparse.ArgumentTypeError(
+            f"cannot load the {what} {path!r}: {type(e).__name__}: {e} ({_WHERE})") from None
     if callable(value) and not isinstance(value, nn.Module):
         try:
             inspect.signature(value).bind()
@@ -59,7 +114,15 @@ def _load(path: str, what: str):
             raise argparse.ArgumentTypeError(
                 f"the {what} {path!r} is a function that needs arguments ({e}); point to one that "
                 "takes none, or to the value itself") from None
-        value = value()
+        except ValueError:  # no signature to read (a builtin): call it and see
+            pass
+        try:
+            value = value()
+        except Exception as e:
+            if traceback:
+                raise
+            raise argparse.ArgumentTypeError(
+                f"calling the {what} {path!r} raised {type(e).__name__}: {e} ({_WHERE})") from None
     return value
 
 
@@ -70,10 +133,6 @@ def _size(text: str):
     if text.isidentifier():
         return sympy.Symbol(text, positive=True, integer=True)
     raise argparse.ArgumentTypeError(f"{text!r} is neither a size nor a name")
-
-
-def _shape(text: str) -> tuple:
-    return tuple(_size(d) for d in text.split(",") if d.strip())
 
 
 def _stand_in(text: str) -> tuple:
@@ -91,48 +150,189 @@ def _dtype(text: str) -> torch.dtype:
     return dtype
 
 
+def _input(text: str) -> tuple:
+    """``(name or None, shape, dtype or None, grad)`` of ``[NAME=]SHAPE[:DTYPE][:grad]``."""
+    name, sep, rest = text.partition("=")
+    if not sep:
+        name, rest = None, text
+    elif not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{name.strip()!r} is not an input's name (NAME=SHAPE, e.g. input_ids=1,256)")
+    else:
+        name = name.strip()
+    shape, *options = rest.split(":")
+    dtype, grad = None, False
+    for option in options:
+        if option.strip() == "grad" and not grad:
+            grad = True
+        elif dtype is None and not grad:
+            dtype = _dtype(option.strip())
+        else:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not [NAME=]SHAPE[:DTYPE][:grad] (e.g. 8,16:float32:grad)")
+    return name, tuple(_size(d) for d in shape.split(",") if d.strip()), dtype, grad
+
+
+def _width(text: str):
+    if not text.isdigit() or 0 < int(text) < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(
+            f"--width takes a number of columns, at least {MIN_WIDTH}, or 0 for no limit "
+            f"(got {text!r})")
+    return int(text)
+
+
+def _version() -> str:
+    from tpfn import __version__
+    return f"tpfn {__version__}"
+
+
+INPUTS = """\
+inputs:
+  --input SHAPE              a positional input: 8,1024, or b,s for a formula
+  --input NAME=SHAPE         a keyword input: input_ids=1,256
+  --input SHAPE:DTYPE        its own dtype: 8,16:int64, 8,16,64:bfloat16
+  --input SHAPE:DTYPE:grad   an input that needs a gradient: 8,16,64:float32:grad
+Repeat --input for more inputs. Positional and keyword inputs mix where the model's forward
+names its positional parameters."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpfn", description="Tensor parallelism for PyTorch as a small functional language.")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
+    form = argparse.RawDescriptionHelpFormatter
     p = commands.add_parser("explain", help="dry-run a plan on fake ranks and print what it does",
-                            description=__doc__.split("\n\n")[1])
-    p.add_argument("model", help="import path of a module or a function returning one")
-    p.add_argument("plan",
-                   help="import path of a plan (dict, plan(), style) or a function returning one")
+                            description=textwrap.fill(__doc__.split("\n\n")[1].replace("``", ""), 79),
+                            epilog=INPUTS, formatter_class=form)
+    model_help = "import path (package.module:name) or file (path/model.py:name) of a module, " \
+                 "or of a function returning one"
+    plan_help = "import path or file of a plan (dict, plan(), style) or a function returning one"
+    p.add_argument("model", help=model_help)
+    p.add_argument("plan", help=plan_help)
     p.add_argument("--world-size", required=True, type=_size, help="ranks, or a name for a formula")
-    p.add_argument("--input", action="append", type=_shape, default=[], metavar="SHAPE",
-                   help="an input's shape, e.g. 8,1024 or b,s (repeat for more inputs)")
-    p.add_argument("--dtype", type=_dtype, default=torch.int64, help="dtype of the inputs (int64)")
+    p.add_argument("--input", action="append", type=_input, default=[],
+                   metavar="[NAME=]SHAPE[:DTYPE][:grad]",
+                   help="an input: 8,1024 or b,s; input_ids=1,256; 8,16,64:float32:grad (repeat "
+                   "for more inputs)")
+    p.add_argument("--dtype", type=_dtype, default=torch.int64,
+                   help="dtype of the inputs that give none (int64)")
     p.add_argument("--size", action="append", type=_stand_in, default=[], metavar="NAME=VALUE",
                    help="stand-in value of a named size")
+    p.add_argument("--wide", action="store_true",
+                   help="also a line per parameter and per input and output slot, as wide as "
+                   "it takes (unless --width)")
+    p.add_argument("--width", type=_width, metavar="N",
+                   help=f"columns of the table (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", metavar="FILE", help="write the report as a self-contained HTML page")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, the Python traceback down to the line that failed")
+    p.set_defaults(command_parser=p)
     v = commands.add_parser("verify", help="run a plan on N real ranks and compare every number "
                             "with one device", description="Run the plan on N gloo ranks (forked "
                             "processes) and compare each module's output and every gradient with "
-                            "one device. Exit status 0 when they agree, 1 when not.")
-    v.add_argument("model", help="import path of a module or a function returning one")
-    v.add_argument("plan",
-                   help="import path of a plan (dict, plan(), style) or a function returning one")
+                            "one device. Exit status 0 when they agree, 1 when not.",
+                            epilog=INPUTS.replace(", or b,s for a formula", ""),
+                            formatter_class=form)
+    v.add_argument("model", help=model_help)
+    v.add_argument("plan", help=plan_help)
     v.add_argument("--world-size", type=int, default=2, help="ranks (2)")
-    v.add_argument("--input", action="append", type=_shape, default=[], metavar="SHAPE",
-                   help="an input's shape, e.g. 8,1024 (repeat for more inputs)")
-    v.add_argument("--dtype", type=_dtype, default=torch.int64, help="dtype of the inputs (int64)")
+    v.add_argument("--input", action="append", type=_input, default=[],
+                   metavar="[NAME=]SHAPE[:DTYPE][:grad]",
+                   help="an input: 8,1024; input_ids=1,256; 8,16,64:float32:grad (repeat for "
+                   "more inputs)")
+    v.add_argument("--dtype", type=_dtype, default=torch.int64,
+                   help="dtype of the inputs that give none (int64)")
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
+    v.add_argument("--traceback", action="store_true",
+                   help="on an error, the Python traceback down to the line that failed")
+    v.set_defaults(command_parser=v)
     return parser
 
 
-def _verify(parser, args, model, plan) -> int:
-    if not args.input:
-        parser.error("verify needs the example inputs' shapes: --input 2,128 (repeat for more)")
-    if any(not isinstance(d, int) for shape in args.input for d in shape):
-        parser.error("verify runs real ranks: give --input sizes as numbers, not names")
+def _arrange(usage, model: nn.Module, values: list):
+    """The inputs as explain and verify take them: a tuple of positional ones, a dict of keyword
+    ones, or, mixed, a dict with the positional ones named by the model's forward."""
+    positional = [v for n, v in values if n is None]
+    keyword: dict = {}
+    for n, v in values:
+        if n is not None and keyword.setdefault(n, v) is not v:
+            usage(f"--input {n}= is given twice")
+    if not keyword:
+        return tuple(positional) or None
+    if not positional:
+        return keyword
+    forward = type(model).forward
     try:
-        report = verify(model, plan, tuple(args.input), world_size=args.world_size,
+        signature = inspect.signature(model.forward)
+        bound = signature.bind_partial(*positional, **keyword)
+    except (TypeError, ValueError) as e:
+        usage(f"the positional and keyword inputs do not fit {type(model).__name__}.forward{_sig(forward)} "
+              f"({e}); name every input (--input NAME=SHAPE) or none")
+    kinds = {n: signature.parameters[n].kind for n in bound.arguments}
+    unnamed = [n for n, k in kinds.items() if k in (inspect.Parameter.VAR_POSITIONAL,
+                                                   inspect.Parameter.POSITIONAL_ONLY)]
+    if unnamed:
+        usage(f"{type(model).__name__}.forward{_sig(forward)} gives its positional inputs no names "
+              f"({', '.join(unnamed)}), and explain takes positional inputs (a tuple) or keyword "
+              "inputs (a dict), not both: name every input (--input NAME=SHAPE) or none")
+    out: dict = {}
+    for n, v in bound.arguments.items():
+        out.update(v if kinds[n] is inspect.Parameter.VAR_KEYWORD else {n: v})
+    return out
+
+
+def _sig(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _inputs(args, model) -> list:
+    """``(name, value)`` for explain: a shape, or an input with its own dtype or gradient."""
+    out = []
+    for name, shape, dtype, grad in args.input:
+        dtype = dtype or args.dtype
+        if grad and not (dtype.is_floating_point or dtype.is_complex):
+            args.command_parser.error(
+                f"--input {'' if name is None else name + '='}{','.join(map(str, shape))}:grad "
+                f"needs a floating dtype, not {str(dtype).removeprefix('torch.')}: give one, "
+                f"e.g. {','.join(map(str, shape))}:float32:grad")
+        out.append((name, ExampleInput(shape, dtype, grad) if grad or dtype is not args.dtype else shape))
+    return out
+
+
+def _tensors(args, model) -> list:
+    """``(name, tensor)`` for verify: random values from the seed, as ``verify`` makes them
+    (token ids below the smallest embedding's vocabulary for integer dtypes)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
+    out = []
+    for name, x in _inputs(args, model):
+        shape, dtype, grad = (x.shape, x.dtype, x.requires_grad) if isinstance(x, ExampleInput) else (
+            x, args.dtype, False)
+        t = (torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point
+             else torch.randint(0, vocab, shape, generator=gen, dtype=dtype))
+        out.append((name, t.requires_grad_(grad)))
+    return out
+
+
+def _verify(args, model, plan) -> int:
+    usage = args.command_parser.error
+    if not args.input:
+        usage("verify needs the example inputs' shapes: --input 2,128 (repeat for more)")
+    if any(not isinstance(d, int) for _, shape, _, _ in args.input for d in shape):
+        usage("verify runs real ranks: give --input sizes as numbers, not names")
+    inputs = _arrange(usage, model, _tensors(args, model))
+    try:
+        report = verify(model, plan, inputs, world_size=args.world_size,
                         dtype=args.dtype, tolerance=args.tolerance, seed=args.seed)
     except (PlanError, ValueError, TypeError) as e:
+        if args.traceback:
+            raise
         print(f"tpfn verify: {e}", file=sys.stderr)
         return 1
     print(report)
@@ -150,24 +350,35 @@ def main(argv=None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    usage = args.command_parser.error  # the subcommand's own usage, not the top level's
     if os.getcwd() not in sys.path and "" not in sys.path:  # the `tpfn` script: as `python -m`
         sys.path.insert(0, os.getcwd())
     try:
-        model, plan = _load(args.model, "model"), _load(args.plan, "plan")
+        model = _load(args.model, "model", args.traceback)
+        plan = _load(args.plan, "plan", args.traceback)
     except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
+        usage(str(e))
     if not isinstance(model, nn.Module):
-        parser.error(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
+        usage(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
     if args.command == "verify":
-        return _verify(parser, args, model, plan)
+        return _verify(args, model, plan)
     try:
         report = explain(model, plan, world_size=args.world_size,
-                         example_inputs=tuple(args.input) or None, dtype=args.dtype,
-                         sizes=dict(args.size))
+                         example_inputs=_arrange(usage, model, _inputs(args, model)),
+                         dtype=args.dtype, sizes=dict(args.size))
     except (PlanError, ValueError, TypeError) as e:
+        if args.traceback:
+            raise
         print(f"tpfn explain: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        if args.width is not None:  # 0: no limit
+            width = args.width or None
+        else:
+            width = None if args.wide else max(MIN_WIDTH, shutil.get_terminal_size().columns)
+        print(report.text(width, wide=args.wide))
     if args.html:
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(report.to_html())

@@ -40,7 +40,7 @@ from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
 
-__all__ = ["explain"]
+__all__ = ["explain", "ExampleInput"]
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -63,7 +63,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 @attrs.frozen
-class _Input:
+class ExampleInput:
     """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
 
     shape: tuple
@@ -85,14 +85,14 @@ def _input(x, dtype):
         raise TypeError("example inputs are local values as a rank passes them: give a tensor, "
                         f"a meta tensor or a shape, not a DTensor (got one of shape {tuple(x.shape)}).")
     if isinstance(x, torch.Tensor):
-        return _Input(tuple(x.shape), x.dtype, x.requires_grad)
+        return ExampleInput(tuple(x.shape), x.dtype, x.requires_grad)
     if _is_shape(x):
-        return _Input(tuple(x), dtype)
+        return ExampleInput(tuple(x), dtype)
     return x
 
 
 def _inputs(example_inputs, dtype) -> tuple:
-    """``(args, kwargs)`` with every tensor or shape as an ``_Input``."""
+    """``(args, kwargs)`` with every tensor or shape as an ``ExampleInput``."""
     if isinstance(example_inputs, Mapping):
         return (), {k: _input(v, dtype) for k, v in example_inputs.items()}
     if isinstance(example_inputs, torch.Tensor) or (_is_shape(example_inputs) and example_inputs):
@@ -217,7 +217,7 @@ def _floats(out) -> list:
     return [t for x in items for t in _floats(x)]
 
 
-def _tokens(x: _Input):
+def _tokens(x: ExampleInput):
     """b*s of the first input: its elements (token ids), or per last dim for embeddings."""
     dims = x.shape[:-1] if x.dtype.is_floating_point else x.shape
     return sympy.Mul(*map(sympy.sympify, dims))
@@ -227,8 +227,8 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
     """One forward and backward of ``model``: the collectives, and what ``_watch`` saw."""
     seen: dict = {}
     _watch(model, seen, block)
-    args = tuple(x.meta(values) if isinstance(x, _Input) else x for x in args)
-    kwargs = {k: x.meta(values) if isinstance(x, _Input) else x for k, x in kwargs.items()}
+    args = tuple(x.meta(values) if isinstance(x, ExampleInput) else x for x in args)
+    kwargs = {k: x.meta(values) if isinstance(x, ExampleInput) else x for k, x in kwargs.items()}
     phase = "forward"
     try:
         with record(model) as comms:
@@ -266,8 +266,8 @@ def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) ->
             if r.fqn in mounts else r for r in rows]
     described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch."))
-                   for name, x in described if isinstance(x, _Input))
-    first = next((x for _, x in described if isinstance(x, _Input)), None)
+                   for name, x in described if isinstance(x, ExampleInput))
+    first = next((x for _, x in described if isinstance(x, ExampleInput)), None)
     megatron = None
     if None in seen and first is not None:
         megatron = Megatron(blocks, _tokens(first), *seen[None])
@@ -366,7 +366,7 @@ def explain(module: nn.Module, plan, *, world_size, example_inputs=None, dtype: 
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
     world_size = _check_world_size(world_size)
     args, kwargs = (None, None) if example_inputs is None else _inputs(example_inputs, dtype)
-    shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, _Input)]
+    shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, ExampleInput)]
     symbols = sorted({s for shape in shapes for d in shape for s in sympy.sympify(d).free_symbols}
                      | ({world_size} if isinstance(world_size, sympy.Symbol) else set()), key=str)
     sizes = dict(sizes or {})

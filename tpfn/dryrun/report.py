@@ -1,7 +1,8 @@
 """The report of a dry run: what every module holds, how its tensors move, what it communicates.
 
-A ``Report`` is a value built by ``tpfn.explain``. ``str(report)`` is a table for a
-terminal, ``report.to_dict()`` is JSON-ready, ``report.to_html()`` is a page to look at.
+A ``Report`` is a value built by ``tpfn.explain``. ``str(report)`` is a table for an
+80-column terminal (``report.text(width, wide=True)``: any width, every parameter and
+slot), ``report.to_dict()`` is JSON-ready, ``report.to_html()`` is a page to look at.
 Bytes follow the ring model of ``tpfn.algebra.comm_bytes`` applied to the tensor each
 collective really moved; they are sympy expressions where sizes were given as symbols.
 
@@ -12,6 +13,7 @@ collective really moved; they are sympy expressions where sizes were given as sy
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 
 import attrs
@@ -318,43 +320,240 @@ class Report:
                 f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio {ratio}"))
         return out
 
+    def text(self, width: int | None = 80, *, wide: bool = False) -> str:
+        """The table for a terminal ``width`` columns wide (None: no limit).
+
+        By default one line per module (repeated blocks once, with their count): its style
+        and the collectives it issues forward and backward; a cell too long for its column
+        wraps onto the next line, a style between its ``>>``. ``wide``: also a line per
+        parameter (placement, global -> local shape) and per input and output slot (layout
+        given -> wanted, the steps between). ``str(report)`` is ``report.text()``.
+
+        >>> report = tpfn.explain(nn.Linear(16, 16), colwise() >> prepare_out(Replicate()),
+        ...                       world_size=4, example_inputs=(8, 16), dtype=torch.float32)
+        >>> print(report.text(width=60))
+        tpfn.explain on 4 ranks: one forward and backward of input 0
+          (8, 16) float32
+        <BLANKLINE>
+        module      style                     forward       backward
+        <root>      colwise()                 1 all_gather  -
+          (Linear)    >> prepare_out(           384 B
+                      Replicate())
+        <BLANKLINE>
+        collectives per step: forward 1 all_gather; backward none;
+          total 1 all_gather
+        bytes per rank per step: forward 384 B; backward 0 B;
+          total 384 B
+        parameter bytes per rank: 272 B
+        """
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int)
+                                  or width < MIN_WIDTH):
+            raise ValueError(f"'width' must be None (no limit) or at least {MIN_WIDTH} columns "
+                             f"(got {width!r}).")
+        return "\n".join(_table(self, width, wide))
+
     def __str__(self) -> str:
-        return "\n".join(_table(self))
+        return self.text()
 
 
-def _module_lines(row: Row, traffic: dict) -> list:
-    lines = [[row.fqn or "<root>", "" if row.style is None else repr(row.style), "",
-              summary(traffic.get((row.fqn, "forward"), {})),
-              summary(traffic.get((row.fqn, "backward"), {}))]]
-    for p in row.params:
-        lines.append([f"  {p.name}", "-" if p.placement is None else repr(p.placement), p.text, "", ""])
-    for t in row.transitions:
-        lines.append([f"  {t.slot}", f"{t.given!r} -> {t.desired!r}",
-                      ", ".join(map(repr, t.steps)) or "-", "", ""])
+MIN_WIDTH = 40
+_GAP = "  "
+_MORE = "  "  # the indent of a cell's continuation lines
+
+
+def _tokens(text: str) -> list:
+    """The pieces a cell may wrap between: words outside brackets, an operator (``>>``,
+    ``->``) kept with the value after it."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == " " and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    glued: list = []
+    for tok in out:
+        if glued and glued[-1] in (">>", "->", "|"):
+            glued[-1] += " " + tok
+        elif tok:
+            glued.append(tok)
+    return glued
+
+
+def _cell(text: str) -> tuple:
+    """``(indent, tokens)`` of a cell's text."""
+    body = text.lstrip(" ")
+    return text[:len(text) - len(body)], _tokens(body)
+
+
+def _traffic_cell(kinds: dict) -> tuple:
+    """The collectives of one module and phase as tokens: ``1 all_reduce``, ``28.0 KiB;``."""
+    if not kinds:
+        return "", ["-"]
+    tokens = []
+    for i, (k, (n, b)) in enumerate(kinds.items()):
+        tokens += [f"{n} {k}", fmt_bytes(b) + (";" if i < len(kinds) - 1 else "")]
+    return "", tokens
+
+
+_PENALTY = {" ": 0, ",([": 3, "=": 4, "": 20}  # a token split at a space, a comma or bracket, a letter
+
+
+def _split(token: str, room: int, rest: int, cuts: list) -> list:
+    """A token longer than ``room`` in pieces (``rest`` wide after the first): after a space
+    where one fits, else after a comma, bracket or ``=``, else where the room ends; the
+    kind of each cut in ``cuts``."""
+    pieces = []
+    while len(token) > room:
+        depth, after = 0, []
+        for ch in token[:room + 1]:
+            depth += (ch in "([{") - (ch in ")]}")
+            after.append(depth)
+        for marks in (" ", ",([", "=", ""):
+            cut = min(((after[i], -(i + 1)) for i, ch in enumerate(token[:room + (marks == " ")])
+                       if ch in marks and i + 1 >= room // 3), default=None) if marks else (0, -room)
+            if cut is not None:
+                cut = -cut[1]
+                break
+        cuts.append(marks)
+        pieces.append(token[:cut].rstrip())
+        token, room = token[cut:].lstrip(), rest
+    return pieces + [token] if token else pieces
+
+
+def _wrap(cell: tuple, width: int | None, cuts: list | None = None) -> list:
+    """The lines of a cell in a column ``width`` wide (None: one line)."""
+    indent, tokens = cell
+    if width is None or len(indent) + len(" ".join(tokens)) <= width:
+        return [indent + " ".join(tokens)]
+    more = indent + _MORE if len(indent + _MORE) < width // 2 else ""
+    lines: list = []
+    for tok in tokens:
+        if lines and len(lines[-1]) + 1 + len(tok) <= width:
+            lines[-1] += " " + tok
+            continue
+        prefix = more if lines else indent
+        pieces = _split(tok, width - len(prefix), width - len(more), [] if cuts is None else cuts)
+        lines += [(prefix if i == 0 else more) + piece for i, piece in enumerate(pieces)]
+    return lines or [indent]
+
+
+def _fit(rows: list, width: int | None) -> list:
+    """The widths of the columns of ``rows`` (cells as ``(indent, tokens)``) within ``width``:
+    each its natural width where all fit, else narrowed one column at a time where it costs
+    the fewest lines and split tokens."""
+    n = len(rows[0])
+    widths = [max(len(_wrap(r[c], None)[0]) for r in rows) for c in range(n)]
+    budget = None if width is None else width - len(_GAP) * (n - 1)
+    if budget is None or sum(widths) <= budget:
+        return widths
+    floor = max(6, budget // (2 * n))
+    costs: dict = {}
+
+    def cost(c, w):  # per row: (lines, penalty of the split tokens)
+        if (c, w) not in costs:
+            found = []
+            for r in rows:
+                cuts: list = []
+                found.append((len(_wrap(r[c], w, cuts)), sum(_PENALTY[k] for k in cuts)))
+            costs[c, w] = found
+        return costs[c, w]
+
+    def total(ws):
+        columns = [cost(c, w) for c, w in enumerate(ws)]
+        return sum(max(col[i][0] for col in columns) + sum(col[i][1] for col in columns)
+                   for i in range(len(rows)))
+
+    while sum(widths) > budget:
+        narrower = [(total([*widths[:c], widths[c] - 1, *widths[c + 1:]]), -widths[c], c)
+                    for c in range(n) if widths[c] > floor]
+        if not narrower:
+            break
+        widths[min(narrower)[2]] -= 1
+    return widths
+
+
+def _render(rows: list, width: int | None) -> list:
+    widths = _fit(rows, width)
+    out = []
+    for row in rows:
+        cells = [_wrap(cell, w) for cell, w in zip(row, widths)]
+        for i in range(max(map(len, cells))):
+            out.append(_GAP.join((c[i] if i < len(c) else "").ljust(w)
+                                 for c, w in zip(cells, widths)).rstrip())
+    return out
+
+
+def _flow(text: str, width: int | None, first: str = "", more: str = "  ") -> list:
+    """A line of prose in lines of at most ``width``, broken after a ``;`` where one fits,
+    else between words."""
+    if width is None or len(first + text) <= width:
+        return [first + text]
+    chunks = [c + ";" for c in text.split("; ")]
+    chunks[-1] = chunks[-1][:-1]
+    lines = [first]
+    for chunk in chunks:
+        pad = "" if lines[-1] in (first, more) else " "
+        if len(lines[-1]) + len(pad) + len(chunk) <= width:
+            lines[-1] += pad + chunk
+            continue
+        if lines[-1] not in (first, more):
+            lines.append(more)
+        for word in chunk.split(" "):
+            pad = "" if lines[-1] in (first, more) else " "
+            if len(lines[-1]) + len(pad) + len(word) > width and lines[-1] not in (first, more):
+                lines.append(more)
+                pad = ""
+            lines[-1] += pad + word
     return lines
 
 
-def _table(report: Report) -> list:
+def _prose(text: str, width: int | None, first: str = "", more: str = "  ") -> list:
+    """A sentence in lines of at most ``width``, broken between words."""
+    if width is None:
+        return [first + text]
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=more,
+                         break_on_hyphens=False)
+
+
+def _module_lines(row: Row, traffic: dict, wide: bool) -> list:
+    forward = _traffic_cell(traffic.get((row.fqn, "forward"), {}))
+    backward = _traffic_cell(traffic.get((row.fqn, "backward"), {}))
+    style = _cell("" if row.style is None else repr(row.style))
+    if not wide:
+        return [[None, style, forward, backward]]
+    lines = [[None, style, ("", []), forward, backward]]
+    for p in row.params:
+        lines.append([_cell(f"  {p.name}"), _cell("-" if p.placement is None else repr(p.placement)),
+                      _cell(p.text), ("", []), ("", [])])
+    for t in row.transitions:
+        lines.append([_cell(f"  {t.slot}"), _cell(f"{t.given!r} -> {t.desired!r}"),
+                      _cell(", ".join(map(repr, t.steps)) or "-"), ("", []), ("", [])])
+    return lines
+
+
+def _table(report: Report, width: int | None, wide: bool) -> list:
     traffic = report.traffic()
     groups: dict = {}
     for row in report.rows:  # modules in the plan or that communicate; repeated blocks once
         if row.style is None and not {(row.fqn, "forward"), (row.fqn, "backward")} & traffic.keys():
             continue
-        lines = _module_lines(row, traffic)
-        key = (generalize(row.fqn), row.type, str([line[1:] for line in lines]))
-        groups.setdefault(key, [row, lines, 0])[2] += 1
-    cells = [["module", "style | layout", "global -> local | steps", "forward", "backward"]]
+        full = _module_lines(row, traffic, True)
+        key = (generalize(row.fqn), row.type, str([line[1:] for line in full]))
+        groups.setdefault(key, [row, _module_lines(row, traffic, wide), 0])[2] += 1
+    head = ["module", "style | layout", "global -> local | steps", "forward", "backward"]
+    cells = [[_cell(h) for h in (head if wide else [head[0], "style", *head[3:]])]]
     for row, lines, n in groups.values():
         name = generalize(row.fqn) if n > 1 else (row.fqn or "<root>")
-        lines[0][0] = f"{name} ({row.type})" + (f" x{n}" if n > 1 else "")
+        lines[0][0] = ("", [name, f"({row.type})" + (f" x{n}" if n > 1 else "")])
         cells.extend(lines)
     if (None, "forward") in traffic or (None, "backward") in traffic:
-        cells.append(["(outside every module)", "", "", summary(traffic.get((None, "forward"), {})),
-                      summary(traffic.get((None, "backward"), {}))])
-    widths = [max(len(c[i]) for c in cells) for i in range(5)]
-    out = [report.title(), ""]
-    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    out += ["", *(f"{label}: {text}" for label, text in report.totals())]
+        cells.append([("", ["(outside every module)"]), ("", []), *([("", [])] if wide else []),
+                      _traffic_cell(traffic.get((None, "forward"), {})),
+                      _traffic_cell(traffic.get((None, "backward"), {}))])
+    out = [*_prose(report.title(), width), "", *_render(cells, width), ""]
+    out += [line for label, text in report.totals() for line in _flow(f"{label}: {text}", width)]
     if report.lints:
-        out += ["", "lints:", *(f"  - {lint}" for lint in report.lints)]
+        out += ["", "lints:", *(line for lint in report.lints
+                                for line in _prose(lint, width, "  - ", "    "))]
     return out
