@@ -12,7 +12,7 @@ from tpfn.adapters.from_torch import from_torch
 from tpfn.dryrun.explain import explain
 from tpfn.dryrun.report import Report
 from tpfn.dryrun.verify import verify
-from tpfn.errors import CollectiveError, LayoutError, PlanError, StyleError
+from tpfn.errors import CheckpointError, CollectiveError, LayoutError, PlanError, StyleError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.interpret.prepare import prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import Partial, Replicate, Shard, to_torch
@@ -31,6 +31,9 @@ from tpfn.style.constructors import (
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.loss import cross_entropy
+from tpfn.training.pretrained import (
+    empty_weights, from_pretrained, load_pretrained, save_pretrained,
+)
 
 try:
     __version__ = _metadata.version("tpfn")
@@ -44,6 +47,7 @@ __all__ = [
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_",
+    "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError",
     "from_hf",
     "explain", "Report", "verify",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",

@@ -23,7 +23,8 @@ __all__ = [
     "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
-    "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "local_tensor", "spec_of", "keep_mesh",
+    "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "swap_in_place",
+    "in_a_graph", "local_tensor", "spec_of", "keep_mesh",
 ]
 
 
@@ -83,3 +84,22 @@ def current_mesh():
     from torch.distributed.device_mesh import _mesh_resources
 
     return _mesh_resources.mesh_stack[-1] if _mesh_resources.mesh_stack else None
+
+
+def in_a_graph(t: torch.Tensor) -> bool:
+    """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place)."""
+    return t._use_count() > (2 if t.is_leaf else 1)
+
+
+def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``old`` becomes ``new`` in place (one object: ties, optimizers and names all see it),
+    keeping its attributes and its gradient hooks, which live on the tensor swapped out."""
+    hooks, post = old._backward_hooks, old._post_accumulate_grad_hooks
+    extra = dict(old.__dict__)
+    torch.utils.swap_tensors(old, new)
+    for k, v in extra.items():
+        old.__dict__.setdefault(k, v)
+    if hooks:
+        old._backward_hooks = hooks
+    if post:
+        old._post_accumulate_grad_hooks = post

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "LayoutError", "StyleError", "CollectiveError"]
+__all__ = ["PlanError", "LayoutError", "StyleError", "CollectiveError", "CheckpointError"]
 
 
 class StyleError(ValueError):
@@ -28,3 +28,17 @@ class LayoutError(ValueError):
 
 class CollectiveError(RuntimeError):
     """A collective that tpfn ran at a module's slot failed (a peer died, raised, or timed out)."""
+
+
+class CheckpointError(ValueError):
+    """Every problem found checking a checkpoint against a model, reported at once.
+
+    ``problems`` holds one line per problem, each naming the key and the file; nothing
+    was changed when this is raised, on any rank.
+    """
+
+    def __init__(self, problems: list):
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"the checkpoint cannot be loaded ({n} problem{'s' * (n != 1)}):\n{lines}")

@@ -1,0 +1,623 @@
+"""Hugging Face checkpoints, shard by shard: each rank reads only its slices.
+
+``load_pretrained(model, path)`` fills a model that is already parallelized (its parameters
+DTensors over a 1-D mesh, usually still on the meta device) from a Hugging Face checkpoint
+directory: one ``model.safetensors``, or shards named by ``model.safetensors.index.json``.
+Each rank reads, through ``safetensors.safe_open(...).get_slice``, only the part of each
+tensor it holds: its ``torch.chunk`` range of dim ``d`` for ``Shard(d)``; its chunk of every
+part for a packed ``Shard(d, parts=k)`` (``colwise(parts=2)``); the whole tensor for
+``Replicate()`` and for plain tensors. Values are converted to the parameter's dtype (or
+``dtype=``) on the way in.
+
+Parameters are filled in place (``torch.utils.swap_tensors``, as ``Module.to_empty`` does):
+tied parameters stay one object, filled once, and the hooks ``parallelize`` put on them
+(the partial gradients of replicated per-head norms) keep working. Buffers are taken from
+the checkpoint when it holds them; the non-persistent ones (rotary ``inv_freq``) never are,
+so they must be real: build the model inside ``empty_weights()`` (parameters on meta,
+buffers computed by ``__init__``, as transformers computes them) or on a real device.
+
+Everything is checked before anything changes, on every rank alike (the ranks exchange
+what they found, so all raise the same ``CheckpointError``): a missing key, an unexpected
+one (``strict=False`` accepts those), a shape or dtype that does not fit, a file that is
+truncated or corrupt, a checkpoint of another model, a meta buffer with nothing to fill it.
+Then every slice is read, and only when all are read are they swapped in: nothing is ever
+half-loaded, and no parameter or buffer is left on the meta device.
+
+``save_pretrained(model, path)`` is the reverse: it gathers one tensor at a time and rank 0
+writes safetensors shards, their index and the model's config, which
+``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads on one device, bit for
+bit. ``from_pretrained(path, mesh)`` builds the model from the checkpoint's config on meta,
+parallelizes it with its own ``tp_plan`` (``from_hf``) or ``plan=``, and loads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+from tpfn._torch import StridedShard, in_a_graph, local_tensor, swap_in_place
+from tpfn.errors import CheckpointError
+
+__all__ = ["load_pretrained", "save_pretrained", "from_pretrained", "empty_weights",
+           "CheckpointError", "SINGLE", "INDEX"]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_CAP = 20  # problems listed per kind; the rest are counted
+
+_DTYPES = {code: getattr(torch, name) for code, name in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64", "C128": "complex128",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
+    "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}.items()
+    if hasattr(torch, name)}
+
+
+# ---------------------------------------------------------------------------------------------
+# empty_weights
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    Every parameter registered inside the block is moved to meta as it is registered (no
+    memory is touched), while buffers are computed by the modules' ``__init__`` as usual:
+    rotary ``inv_freq`` gets the value transformers computes. Not thread-safe.
+
+    >>> with empty_weights():
+    ...     layer = nn.Linear(4, 4)
+    ...     layer.register_buffer("scale", torch.ones(4), persistent=False)
+    >>> layer.weight.is_meta, layer.scale.is_meta
+    (True, False)
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            moved.__dict__.update(param.__dict__)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint's side: files, keys, shapes, dtypes (headers only)
+
+
+class _Checkpoint:
+    """The headers of a checkpoint: for each key, its file, shape and dtype code."""
+
+    def __init__(self, path):
+        path = os.fspath(path)
+        self.files: list = []
+        self.where: dict = {}
+        self.shapes: dict = {}
+        self.codes: dict = {}
+        self.config: dict | None = None
+        self.problems: list = []
+        if os.path.isfile(path):
+            directory, self.files = os.path.dirname(path), [path]
+        elif os.path.isfile(os.path.join(path, INDEX)):
+            directory, index = path, os.path.join(path, INDEX)
+            weight_map = self._weight_map(index)
+            if weight_map is None:
+                return
+            self.files = sorted({os.path.join(path, f) for f in weight_map.values()})
+            self.listed = {k: os.path.join(path, f) for k, f in weight_map.items()}
+        elif os.path.isfile(os.path.join(path, SINGLE)):
+            directory, self.files = path, [os.path.join(path, SINGLE)]
+        else:
+            raise FileNotFoundError(
+                f"no {SINGLE} nor {INDEX} in {path!r}: point at a directory that "
+                "save_pretrained (tpfn's or transformers') wrote, or at one .safetensors file.")
+        config = os.path.join(directory, "config.json")
+        if os.path.isfile(config):
+            try:
+                with open(config) as f:
+                    self.config = json.load(f)
+            except (OSError, ValueError) as e:
+                self.problems.append(f"cannot read {config}: {e}; save the checkpoint again.")
+        for file in self.files:
+            self._header(file)
+        for key, file in getattr(self, "listed", {}).items():
+            if os.path.isfile(file) and self.where.get(key) != file and not self._unreadable(file):
+                self.problems.append(
+                    f"{INDEX} lists {key!r} in {file}, which does not hold it: the checkpoint "
+                    "is incomplete; download or save it again.")
+
+    def _weight_map(self, index: str):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise ValueError("'weight_map' is not a mapping")
+            return weight_map
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.problems.append(f"cannot read the index {index}: {e!r}; it is truncated or "
+                                 "corrupt: download or save the checkpoint again.")
+            return None
+
+    def _unreadable(self, file: str) -> bool:
+        return any(file in p for p in self.problems)
+
+    def _header(self, file: str) -> None:
+        from safetensors import safe_open
+
+        if not os.path.isfile(file):
+            self.problems.append(f"{file} is missing (named by {INDEX}); download or save the "
+                                 "checkpoint again.")
+            return
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    self.where.setdefault(key, file)
+                    self.shapes[key] = tuple(piece.get_shape())
+                    self.codes[key] = piece.get_dtype()
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            self.problems.append(f"cannot read {file}: {e}; the file is truncated or corrupt: "
+                                 "download or save it again.")
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's side: one entry per tensor object, with every name it goes by
+
+
+class _Target:
+    def __init__(self, tensor, kind: str):
+        self.tensor, self.kind = tensor, kind
+        self.names: list = []
+        self.slots: list = []  # (module, attribute name)
+        self.persistent = False
+
+    @property
+    def meta(self) -> bool:
+        t = self.tensor
+        return (local_tensor(t) if isinstance(t, DTensor) else t).is_meta
+
+
+def _targets(model: nn.Module) -> list:
+    found: dict = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for table, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                target = found.setdefault(id(t), _Target(t, kind))
+                full = f"{prefix}.{name}" if prefix else name
+                if full not in target.names:
+                    target.names.append(full)
+                if not any(m is module and n == name for m, n in target.slots):
+                    target.slots.append((module, name))
+                if kind == "parameter" or name not in module._non_persistent_buffers_set:
+                    target.persistent = True
+    return list(found.values())
+
+
+def _mesh_group(targets: list):
+    for t in targets:
+        if isinstance(t.tensor, DTensor) and t.tensor.device_mesh.ndim == 1:
+            return t.tensor.device_mesh
+    return None
+
+
+def _agree(problems: list, mesh) -> list:
+    """Every rank's problems, on every rank (so all raise alike); alone, one's own."""
+    if mesh is None or mesh.size() == 1 or not dist.is_initialized():
+        return problems
+    gathered = [None] * mesh.size()
+    dist.all_gather_object(gathered, problems, group=mesh.get_group())
+    merged: list = []
+    for rank_problems in gathered:
+        merged += [p for p in rank_problems if p not in merged]
+    return merged
+
+
+def _capped(lines: list, what: str) -> list:
+    if len(lines) <= _CAP:
+        return lines
+    return lines[:_CAP] + [f"... and {len(lines) - _CAP} more {what}"]
+
+
+def _convertible(stored: torch.dtype, wanted: torch.dtype) -> bool:
+    return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
+
+
+def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tuple:
+    """(what to read: [(target, key, dtype)], problems), from the headers alone."""
+    problems, missing, plan = list(ckpt.problems), [], []
+    if ckpt.problems:  # unreadable files: their keys would all look missing
+        return plan, problems
+    config = getattr(model, "config", None)
+    theirs = (ckpt.config or {}).get("model_type")
+    ours = getattr(config, "model_type", None)
+    if theirs and ours and theirs != ours:
+        problems.append(f"the checkpoint's config.json ({os.path.dirname(ckpt.files[0])}) is a "
+                        f"{theirs!r} model and this model is {ours!r}: this is a checkpoint of "
+                        "another model; load the checkpoint of this architecture.")
+    known = set()
+    for target in targets:
+        known.update(target.names)
+        t = target.tensor
+        key = next((n for n in target.names if n in ckpt.where), None)
+        tied = f" (tied: also {', '.join(map(repr, target.names[1:]))})" if len(target.names) > 1 else ""
+        if key is None or (not target.persistent and not target.meta):
+            if target.persistent:
+                missing.append(f"missing key {target.names[0]!r}{tied}: the model's {target.kind} "
+                               f"of shape {tuple(t.shape)} is in none of {_files(ckpt)}; load the "
+                               "checkpoint of this model (a missing key is never accepted: the "
+                               f"{target.kind} would be left unwritten).")
+            elif target.meta:
+                problems.append(
+                    f"buffer {target.names[0]!r} is on the meta device and not in "
+                    f"{_files(ckpt)} (a non-persistent buffer: its module's __init__ computes "
+                    "it); build the model inside tpfn.training.pretrained.empty_weights() "
+                    "(parameters on meta, buffers computed), or on a real device.")
+            continue
+        file = ckpt.where[key]
+        shape, code = ckpt.shapes[key], ckpt.codes[key]
+        if shape != tuple(t.shape):
+            problems.append(f"{key!r} in {file} has shape {shape}, but the model's {target.kind}"
+                            f"{tied} is {tuple(t.shape)}: load the checkpoint of this model "
+                            "(same architecture and sizes).")
+            continue
+        wanted = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        stored = _DTYPES.get(code)
+        if stored is None or not _convertible(stored, wanted):
+            problems.append(
+                f"{key!r} in {file} is stored as {code} ({stored or 'unknown to torch'}), which "
+                f"does not convert to the model's {wanted} without changing its values: load "
+                "a checkpoint that stores it as a floating-point tensor, or build the model "
+                "with this dtype.")
+            continue
+        if isinstance(t, DTensor):
+            placement = t.placements[0] if t.device_mesh.ndim == 1 else None
+            if placement is None or placement.is_partial():
+                problems.append(
+                    f"{target.kind} {target.names[0]!r} ({key!r} in {file}) is laid out "
+                    f"{t.placements} on a {t.device_mesh.ndim}-D mesh; load_pretrained fills "
+                    "Shard and Replicate DTensors on the 1-D tensor-parallel mesh: load before "
+                    "fully_shard, right after parallelize.")
+                continue
+        reason = _unswappable(target)
+        if reason:
+            problems.append(f"{target.kind} {target.names[0]!r} ({key!r} in {file}) {reason}")
+            continue
+        plan.append((target, key, wanted))
+    problems += _capped(missing, "missing keys")
+    unexpected = sorted(k for k in ckpt.where if k not in known)
+    if unexpected and strict:
+        lines = [f"unexpected key {k!r} in {ckpt.where[k]}: the model has no parameter or "
+                 "buffer of that name; pass strict=False to ignore it." for k in unexpected]
+        problems += _capped(lines, "unexpected keys")
+    if any(".experts.0." in k for k in unexpected) and any(".experts." in m for m in missing):
+        example = next(k for k in unexpected if ".experts.0." in k)
+        problems.append(
+            f"the checkpoint stores the experts one by one ({example!r} in "
+            f"{ckpt.where[example]}), as transformers saves mixtures of experts, and the model "
+            "holds them fused (3-D 'experts.gate_up_proj'); load_pretrained does not convert "
+            "between the two: convert it once (transformers' from_pretrained, then "
+            "tpfn.training.pretrained.save_pretrained writes the fused layout).")
+    return plan, problems
+
+
+def _files(ckpt: _Checkpoint) -> str:
+    return ckpt.files[0] if len(ckpt.files) == 1 else \
+        f"the {len(ckpt.files)} files of {os.path.join(os.path.dirname(ckpt.files[0]), INDEX)}"
+
+
+def _unswappable(target) -> str | None:
+    if target.kind != "parameter":
+        return None
+    t = target.tensor
+    if weakref.getweakrefs(t):
+        return "is weakly referenced, so it cannot be filled in place; load before anything " \
+               "keeps a weak reference to it."
+    if in_a_graph(t):
+        return "is referenced by an autograd graph, so it cannot be filled in place; load " \
+               "before running forward."
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# reading this rank's slice
+
+
+def _ranges(size: int, placement, rank: int, n: int) -> list:
+    """This rank's ``[start, stop)`` ranges of a dim of ``size``, in the order it holds them."""
+    if isinstance(placement, StridedShard):  # each rank: its chunk of every part
+        part = size // placement.split_factor
+        chunk = part // n
+        return [(i * part + rank * chunk, i * part + (rank + 1) * chunk)
+                for i in range(placement.split_factor)]
+    chunk = -(-size // n)  # torch.chunk's sizes, which DTensor's Shard uses
+    start = min(rank * chunk, size)
+    return [(start, min(start + chunk, size))]
+
+
+def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
+    t = target.tensor
+    placement = t.placements[0] if isinstance(t, DTensor) else None
+    if isinstance(placement, (StridedShard, Shard)):  # _StridedShard's is_shard() is False
+        mesh = t.device_mesh
+        dim = placement.dim % t.ndim
+        piece, pieces = handle.get_slice(key), []
+        for start, stop in _ranges(t.shape[dim], placement, mesh.get_local_rank(), mesh.size()):
+            if stop <= start:
+                shape = list(t.shape)
+                shape[dim] = 0
+                pieces.append(torch.empty(shape, dtype=_DTYPES[piece.get_dtype()]))
+            else:
+                pieces.append(piece[tuple(slice(start, stop) if d == dim else slice(None)
+                                          for d in range(t.ndim))])
+        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    else:  # Replicate(), or a plain tensor: whole
+        value = handle.get_tensor(key)
+    expected = tuple((local_tensor(t) if isinstance(t, DTensor) else t).shape)
+    if tuple(value.shape) != expected:  # tpfn's arithmetic against DTensor's: a bug
+        raise RuntimeError(f"tpfn read {tuple(value.shape)} of {key!r} for this rank, but its "
+                           f"{getattr(t, 'placements', 'plain')} shard is {expected}: please "
+                           "report this.")
+    device = (local_tensor(t) if isinstance(t, DTensor) else t).device
+    if device.type == "meta":  # where the mesh computes (a plain meta tensor: the CPU)
+        kind = t.device_mesh.device_type if isinstance(t, DTensor) else "cpu"
+        device = torch.device(kind) if kind == "cpu" else \
+            torch.device(kind, torch.get_device_module(kind).current_device())
+    return value.to(device=device, dtype=dtype).contiguous()
+
+
+def _fill(target: _Target, value: torch.Tensor) -> None:
+    t = target.tensor
+    if isinstance(t, DTensor):
+        value = DTensor.from_local(value, t.device_mesh, t.placements, run_check=False,
+                                   shape=t.shape, stride=t.stride())
+    if target.kind == "buffer":
+        for module, name in target.slots:
+            module._buffers[name] = value
+        return
+    swap_in_place(t, nn.Parameter(value, requires_grad=t.requires_grad))
+
+
+def load_pretrained(model: nn.Module, path, *, strict: bool = True, dtype=None) -> nn.Module:
+    """Fill every parameter and buffer of ``model`` with this rank's slice of the checkpoint
+    at ``path``; returns ``model``. Every rank of the model's mesh calls it.
+
+    ``path`` is a directory holding ``model.safetensors`` or ``model.safetensors.index.json``
+    and its shards (or one ``.safetensors`` file). ``model`` is parallelized (DTensor
+    parameters on a 1-D mesh, e.g. built inside ``empty_weights()`` and parallelized with
+    ``src_rank=None``) or plain. ``dtype`` converts floating-point tensors (default: each
+    parameter's own dtype). ``strict=False`` ignores keys the model lacks; a key the
+    checkpoint lacks always raises. Raises ``CheckpointError`` listing every problem, each
+    naming the key and the file, before anything changes.
+
+    >>> import os, tempfile
+    >>> torch.manual_seed(0) and None
+    >>> mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    >>> source = nn.Linear(4, 6)
+    >>> with empty_weights():
+    ...     empty = tpfn.parallelize(nn.Linear(4, 6), mesh, tpfn.colwise(), src_rank=None)
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save_pretrained(source, d)
+    ...     model = load_pretrained(empty, d)
+    >>> torch.equal(model.weight.full_tensor(), source.weight), model.weight.is_meta
+    (True, False)
+    """
+    from safetensors import safe_open
+
+    ckpt = _Checkpoint(path)
+    targets = _targets(model)
+    mesh = _mesh_group(targets)
+    plan, problems = _check(model, targets, ckpt, strict, dtype)
+    problems = _agree(problems, mesh)
+    if problems:
+        raise CheckpointError(problems)
+    values, failed = [], []
+    with contextlib.ExitStack() as stack:
+        handles: dict = {}
+        for target, key, wanted in plan:
+            file = ckpt.where[key]
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                values.append(_read(handles[file], key, target, wanted))
+            except RuntimeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a read that fails after the headers did not
+                failed.append(f"cannot read {key!r} from {file}: {e}; the file is truncated or "
+                              "corrupt: download or save it again.")
+                break
+    failed = _agree(failed, mesh)
+    if failed:
+        raise CheckpointError(failed)
+    with torch.no_grad():
+        for (target, _, _), value in zip(plan, values):
+            _fill(target, value)
+    left = [n for t in _targets(model) if t.meta for n in t.names[:1]]
+    if left:  # _check refuses this; kept as the last word on "nothing unwritten"
+        raise RuntimeError(f"after loading, {left} are still on the meta device: please report this.")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _bytes(size) -> int:
+    """``max_shard_size`` in bytes: an int, or "20KB", "5GB", "2GiB" (transformers' units)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size must be a number of bytes or a size such as '20KB', "
+                         f"'5GB' or '2GiB' (got {size!r}).")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save_pretrained(model: nn.Module, path, *, max_shard_size="5GB") -> None:
+    """Write ``model`` as a Hugging Face checkpoint in the directory ``path``; every rank
+    calls it, rank 0 writes.
+
+    Each DTensor is gathered to its full value one at a time (at most one tensor, and one
+    shard of at most ``max_shard_size`` on rank 0, are held at once). One file is written
+    as ``model.safetensors``; more as ``model-0000i-of-0000n.safetensors`` with
+    ``model.safetensors.index.json``. Tied parameters are written once, under their first
+    name; non-persistent buffers not at all; ``model.config`` (and ``generation_config``),
+    when the model has them, beside them. Earlier ``model*.safetensors`` files in ``path``
+    are replaced.
+
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     save_pretrained(nn.Linear(4, 4), d)
+    ...     sorted(os.listdir(d))
+    ['model.safetensors']
+    """
+    from safetensors.torch import save_file
+
+    limit = _bytes(max_shard_size)
+    entries = []
+    for target in _targets(model):
+        if not target.persistent:
+            continue
+        if target.meta:
+            raise ValueError(f"{target.kind} {target.names[0]!r} is on the meta device: there is "
+                             "nothing to save; load the model's weights first.")
+        t = target.tensor
+        entries.append((target.names[0], t, t.numel() * t.element_size()))
+    shards, size = [[]], 0
+    for entry in entries:
+        if shards[-1] and size + entry[2] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    n = len(shards)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    path = os.fspath(path)
+    writer = _rank() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for old in os.listdir(path):
+            if _SHARD.fullmatch(old) or old == INDEX:
+                os.remove(os.path.join(path, old))
+    weight_map = {}
+    with torch.no_grad():
+        for name, shard in zip(names, shards):
+            tensors = {}
+            for key, t, _ in shard:
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                if writer:
+                    tensors[key] = full.detach().to("cpu", copy=True).contiguous()
+                    weight_map[key] = name
+                del full
+            if writer:
+                file = os.path.join(path, name)
+                save_file(tensors, file + ".partial", metadata={"format": "pt"})
+                os.replace(file + ".partial", file)
+            del tensors
+    if writer:
+        if n > 1:
+            total = sum(e[2] for e in entries)
+            with open(os.path.join(path, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2, sort_keys=True)
+        config = getattr(model, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config = copy.deepcopy(config)
+            config.architectures = [type(model).__name__]
+            floating = next((t.dtype for _, t, _ in entries if t.is_floating_point()), None)
+            if floating is not None and hasattr(config, "dtype"):
+                config.dtype = floating  # what the files hold, as transformers records it
+            config.save_pretrained(path)
+        generation = getattr(model, "generation_config", None)
+        if hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(path)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# the one call
+
+
+def _build(config, model_class, dtype):
+    import transformers
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if model_class is None:
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        except ValueError:
+            return transformers.AutoModel.from_config(config, **kwargs)
+    if hasattr(model_class, "_from_config"):
+        return model_class._from_config(config, **kwargs)
+    if hasattr(model_class, "from_config"):  # transformers' auto classes
+        return model_class.from_config(config, **kwargs)
+    return model_class(config)
+
+
+def from_pretrained(path, mesh, *, model_class=None, plan=None, dtype=None) -> nn.Module:
+    """The model of the Hugging Face checkpoint directory ``path``, parallelized over the 1-D
+    ``mesh``, each rank holding and having read only its slices; in eval mode, as
+    transformers returns it. Every rank of the mesh calls it.
+
+    The model is built from the checkpoint's ``config.json`` inside ``empty_weights()``
+    (``model_class``, a transformers model class or auto class, defaults to
+    ``AutoModelForCausalLM``, then ``AutoModel``), in ``dtype`` (default: the config's),
+    parallelized with ``plan`` (default: ``tpfn.from_hf(model.tp_plan, model)``) and filled
+    by ``load_pretrained``. tpfn's ``from_pretrained(path, mesh)`` is transformers'
+    ``from_pretrained(path, tp_plan="auto")``.
+
+    >>> import tempfile
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    >>> config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...                      num_hidden_layers=1, num_attention_heads=2)
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     LlamaForCausalLM(config).save_pretrained(d)
+    ...     model = from_pretrained(d, mesh)
+    >>> model.model.layers[0].mlp.up_proj.weight.placements, model.training
+    ((Shard(dim=0),), False)
+    """
+    from transformers import AutoConfig
+
+    from tpfn.adapters.from_hf import from_hf
+    from tpfn.interpret.parallelize import parallelize
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is not a directory: from_pretrained reads a local "
+                                "checkpoint directory (config.json and safetensors); download "
+                                "it first, e.g. with huggingface_hub.snapshot_download.")
+    config = AutoConfig.from_pretrained(path)
+    with empty_weights():
+        model = _build(config, model_class, dtype)
+    model.eval()
+    if plan is None:
+        plan = from_hf(model.tp_plan, model)
+    parallelize(model, mesh, plan, src_rank=None)
+    return load_pretrained(model, path)
