@@ -12,7 +12,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [p for p in (ROOT, os.path.join(ROOT, "examples")) if p not in sys.path]
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = os.environ.get("TPFN_BENCH_RESULTS") or os.path.join(ROOT, "benchmarks", "results")
+"""Where ``Table.save`` writes NAME.json (``TPFN_BENCH_RESULTS``, or ``run.py --results DIR``)."""
 
 
 def interleaved(variants: dict, repeats: int, calls: int, seed: int = 0) -> dict:
@@ -76,9 +77,10 @@ class Table:
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 
-    def save(self) -> str:
-        os.makedirs(RESULTS, exist_ok=True)
-        path = os.path.join(RESULTS, f"{self.name}.json")
+    def save(self, directory: str | None = None) -> str:
+        directory = directory or RESULTS
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{self.name}.json")
         with open(path, "w") as f:
             json.dump({"name": self.name, "title": self.title, "columns": self.columns,
                        "rows": self.rows, "targets": self.targets, "notes": self.notes,

@@ -5,6 +5,7 @@ docs/performance.md.
     python -m benchmarks.run --quick    # fewer repeats
     python -m benchmarks.run --docs     # and regenerate docs/performance.md
     python -m benchmarks.run step_time memory   # some of them
+    python -m benchmarks.run step_time --results /tmp/bench   # the JSON elsewhere
 
 The GPU benchmarks are apart: python -m benchmarks.gpu.
 """
@@ -19,7 +20,8 @@ import re
 
 from benchmarks.common import ROOT, machine
 
-ALL = ("hook_overhead", "step_time", "communication", "parallelize_time", "llama70b", "memory")
+ALL = ("hook_overhead", "step_time", "communication", "parallelize_time", "llama70b", "memory",
+       "pretrained_memory")
 DOC = os.path.join(ROOT, "docs", "performance.md")
 
 
@@ -47,12 +49,15 @@ def main() -> None:
                         help=f"benchmarks to run (default: all of {', '.join(ALL)})")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--docs", action="store_true", help="rewrite docs/performance.md")
+    parser.add_argument("--results", metavar="DIR", default=None,
+                        help="where to write NAME.json (default: benchmarks/results, or "
+                             "$TPFN_BENCH_RESULTS)")
     args = parser.parse_args()
     tables = []
     for name in args.names or ALL:
         table = importlib.import_module(f"benchmarks.{name}").run(quick=args.quick)
         print(table.text(), end="\n\n", flush=True)
-        print(f"saved {table.save()}\n", flush=True)
+        print(f"saved {table.save(args.results)}\n", flush=True)
         tables.append(table)
     if args.docs:
         write_docs(tables, "python -m benchmarks.run" + (" --quick" if args.quick else "") + " --docs")

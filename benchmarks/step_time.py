@@ -1,10 +1,14 @@
-"""Step time: forward, backward and an Adam step, tpfn vs native TP with the same plan.
+"""Step time: forward, backward and an Adam step, tpfn vs native TP and a hand-written baseline.
 
 2 gloo ranks. PyTorch's reference Transformer and a Hugging Face Llama, with and without
 sequence parallelism. Three variants per model, stepped in turn on the same batches:
 native TP with PyTorch's plan; tpfn with the very same plan (``tpfn.from_torch``); tpfn
 with its recommended plan (the Megatron minimum: q, k, v and gate, up share one annotated
-input). The ratio of median step times is what to read.
+input). Two more: a hand-written Megatron-style version (``benchmarks.handwritten``: plain
+parameters of the local shards, the same collectives) and the same local compute with every
+collective left out. The hand-written version's loss is checked against one device's (the
+whole model stepped on the same batches, not timed); a gap beyond float32 noise fails the run.
+The ratio of median step times is what to read.
 """
 
 from __future__ import annotations
@@ -77,11 +81,22 @@ def _llama(sp: bool):
     return build, native, recommended
 
 
+VARIANTS = ("native", "tpfn, same plan", "tpfn, recommended plan", "hand-written", "compute alone")
+TOLERANCE = 1e-5  # the hand-written baseline's loss against one device's, relative (float32 noise)
+
+
+def _loss(model, tokens, target):
+    logits = model(tokens)
+    logits = getattr(logits, "logits", logits)
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
 def _steps(model_name: str, sp: bool, steps: int) -> dict:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
     import tpfn
+    from benchmarks.handwritten import Comm, HandLlama, HandTransformer
     from tests.models import local_heads
     from tests.ranks import mesh
 
@@ -98,31 +113,53 @@ def _steps(model_name: str, sp: bool, steps: int) -> dict:
     if model_name == "reference":
         for model in models.values():
             local_heads(model, 2)
+    hand = HandTransformer if model_name == "reference" else HandLlama
+    models["hand-written"] = hand(build(), Comm(), sp)
+    models["compute alone"] = hand(build(), Comm(real=False), sp)
+    assert list(models) == list(VARIANTS)
+    one = build()  # one device: the whole model on every rank, not timed
     optimizers = {k: torch.optim.Adam(v.parameters(), lr=1e-4) for k, v in models.items()}
+    one_opt = torch.optim.Adam(one.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     times: dict = {k: [] for k in models}
-    losses: dict = {k: [] for k in models}
+    losses: dict = {k: [] for k in (*models, "one device")}
     for step in range(steps + 3):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         order = list(models)
-        order = order[step % 3:] + order[:step % 3]  # rotate who goes first
+        order = order[step % len(order):] + order[:step % len(order)]  # rotate who goes first
         for name in order:
             model, opt = models[name], optimizers[name]
+            finish = getattr(model, "finish_backward", None)
             torch.distributed.barrier()
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            logits = model(tokens)
-            logits = getattr(logits, "logits", logits)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+            loss = _loss(model, tokens, target)
             loss.backward()
+            if finish is not None:
+                finish()
             with implicit_replication():
                 opt.step()
             elapsed = time.perf_counter() - start
             if step >= 3:  # warm-up steps not counted
                 times[name].append(elapsed)
-                losses[name].append(loss.item())
-    return {k: (statistics.median(v), losses[k]) for k, v in times.items()}
+            losses[name].append(loss.item())
+        one_opt.zero_grad(set_to_none=True)
+        loss = _loss(one, tokens, target)
+        loss.backward()
+        one_opt.step()
+        losses["one device"].append(loss.item())
+    return {"median": {k: statistics.median(v) for k, v in times.items()}, "times": times,
+            "losses": losses}
+
+
+def _gap(a: list, b: list) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _quartiles(values: list) -> tuple:
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 def run(quick: bool = False) -> Table:
@@ -130,22 +167,46 @@ def run(quick: bool = False) -> Table:
 
     table = Table("step_time", "Step time (forward, backward, Adam), 2 gloo ranks",
                   ["model", "sequence parallel", "native ms", "tpfn same plan ms",
-                   "tpfn recommended ms", "same / native", "recommended / native"])
-    steps = 5 if quick else 15
+                   "tpfn recommended ms", "hand-written ms", "compute alone ms",
+                   "same / native", "recommended / native", "tpfn / hand-written",
+                   "tpfn / compute"])
+    steps = 5 if quick else 20
+    spreads = []
     with Ranks(2) as ranks:
         for model in ("reference", "llama"):
             for sp in (False, True):
-                result = ranks.run(_steps, model, sp, steps)[0]
-                native, same, best = (result[k][0] * 1e3 for k in (
-                    "native", "tpfn, same plan", "tpfn, recommended plan"))
+                result = ranks.run(_steps, model, sp, steps, timeout=900)[0]
+                native, same, best, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
+                label = f"{model}, sp {'on' if sp else 'off'}"
+                losses = result["losses"]
+                hand_gap = _gap(losses["hand-written"], losses["one device"])
+                if not hand_gap <= TOLERANCE:
+                    raise AssertionError(
+                        f"{label}: the hand-written baseline's loss differs from one device's by "
+                        f"{hand_gap:.1e} (relative, worst of {len(losses['one device'])} steps; "
+                        f"allowed {TOLERANCE:.0e}): hand-written {losses['hand-written']}, "
+                        f"one device {losses['one device']}")
                 table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
-                          "on" if sp else "off", native, same, best, same / native, best / native)
-                gap = max(abs(a - b) / abs(b) for a, b in zip(result["tpfn, same plan"][1],
-                                                              result["native"][1]))
-                table.target(f"{model}, sp {'on' if sp else 'off'}: tpfn/native <= 1.00 "
+                          "on" if sp else "off", native, same, best, hand, compute,
+                          same / native, best / native, best / hand, best / compute)
+                gap = _gap(losses["tpfn, same plan"], losses["native"])
+                table.target(f"{label}: tpfn/native <= 1.00 "
                              f"(losses agree to {gap:.0e})", best / native <= 1.0)
+                table.target(f"{label}: tpfn / hand-written <= 1.05 (hand-written loss = one "
+                             f"device's to {hand_gap:.0e}; tpfn's to "
+                             f"{_gap(losses['tpfn, recommended plan'], losses['one device']):.0e})",
+                             best / hand <= 1.05)
+                t = result["times"]
+                pairs = [a / b for a, b in zip(t["tpfn, recommended plan"], t["hand-written"])]
+                lo, hi = _quartiles(pairs)
+                spreads.append(f"{label} {lo:.2f}-{hi:.2f}")
     table.notes.append("dim 256, 4 layers, 8 heads, vocab 2048, batch 8 x 64 tokens; medians of "
                        f"{steps} steps per variant, stepped in turn")
+    table.notes.append("tpfn = the recommended plan; hand-written = benchmarks/handwritten.py (plain "
+                       "parameters of the local shards, Megatron's f/g, the same collectives); compute "
+                       "alone = the same local compute with every collective left out (wrong numbers, "
+                       "time only)")
+    table.notes.append("tpfn / hand-written step by step, quartiles: " + "; ".join(spreads))
     return table
 
 
