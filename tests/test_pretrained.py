@@ -114,10 +114,8 @@ CASES = [
     pytest.param("llama-tied", SHARD, id="llama-tied-embeddings-sharded"),
     pytest.param("phi3", None, id="phi3-fused-qkv-and-packed-gate_up-single-file"),
     pytest.param("qwen3", SHARD, id="qwen3-per-head-norms-partial-grads-sharded"),
-    # transformers 5.24 saves Mixtral's experts one by one (experts.0.w1.weight, ...) and
-    # converts them when it loads; load_pretrained reads the model's fused 3-D layout only
-    # (and refuses the per-expert one by name: test_bad_checkpoints_raise_...). So this
-    # Mixtral checkpoint is written by tpfn's save_pretrained, which transformers loads too.
+    # tpfn's save_pretrained writes Mixtral's fused 3-D layout, which transformers loads too;
+    # transformers' own per-expert checkpoints: test_transformers_per_expert_mixtral_...
     pytest.param("mixtral", SHARD, id="mixtral-fused-experts-checkpoint-written-by-tpfn"),
 ]
 
@@ -142,6 +140,35 @@ def test_loads_each_ranks_slices_matches_one_device_and_round_trips(ranks2, tmp_
         names = found["files"]
         assert ("model.safetensors.index.json" in names) == sharded
         assert ("model.safetensors" in names) == (not sharded) and "config.json" in names
+
+
+def _per_expert(path):
+    m = mesh(2)
+    model = from_pretrained(path, m)
+    ref = AutoModelForCausalLM.from_pretrained(path)  # transformers fuses the experts itself
+    refs = dict(ref.named_parameters())
+    experts = model.model.layers[0].mlp.experts
+    found = {"weights": [n for n, p in model.named_parameters() if not torch.equal(full(p), refs[n])],
+             "placements": [str(experts.gate_up_proj.placements), str(experts.down_proj.placements)],
+             "local": tuple(experts.gate_up_proj.to_local().shape)}
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 8))
+    found["logits"] = rel_err(model(ids).logits, ref(ids).logits)
+    return found
+
+
+@pytest.mark.parametrize("shard", [SHARD, None], ids=["sharded", "single-file"])
+def test_transformers_per_expert_mixtral_loads_fused_and_matches_one_device(ranks2, tmp_path, shard):
+    path = str(tmp_path / "mixtral")
+    build("mixtral").save_pretrained(path, max_shard_size=shard or "5GB")
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") if not shard else \
+            open(os.path.join(path, "model.safetensors.index.json")) as f:
+        keys = list(f.keys()) if not shard else list(json.load(f)["weight_map"])
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in keys  # one by one
+    for found in ranks2.run(_per_expert, path):
+        assert found["weights"] == [] and found["logits"] <= TOL, found
+        assert "Replicate" not in "".join(found["placements"]), found  # sharded, read in slices
+        assert found["local"] != (4, 32, 32), found
 
 
 # --- bad input --------------------------------------------------------------------------------
@@ -182,9 +209,11 @@ def _bad(tmp_path):
     other = str(tmp_path / "other-model")
     build("phi3").save_pretrained(other)
     cases["other-model"] = (other, "llama", True)
-    experts = str(tmp_path / "per-expert")
+    experts = str(tmp_path / "lost-expert")
     build("mixtral").save_pretrained(experts)  # transformers' own per-expert layout
-    cases["per-expert"] = (experts, "mixtral", True)
+    _rewrite(os.path.join(experts, "model.safetensors"),
+             lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
+    cases["lost-expert"] = (experts, "mixtral", True)
     sharded = str(tmp_path / "sharded")
     build("llama").save_pretrained(sharded, max_shard_size=SHARD)
     with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
@@ -241,8 +270,10 @@ def test_bad_checkpoints_raise_naming_the_key_and_the_file_and_change_nothing(ra
         "corrupt": f"cannot read {file['corrupt']}: Error while deserializing header",
         "other-model": "is a 'phi3' model and this model is 'llama': this is a checkpoint of "
                        "another model",
-        "per-expert": "the checkpoint stores the experts one by one "
-                      "('model.layers.0.block_sparse_moe.experts.0.w1.weight' in ",
+        "lost-expert": "missing key 'model.layers.1.block_sparse_moe.experts.3.w3.weight': the "
+                       "expert weights of the model's parameter "
+                       "'model.layers.1.mlp.experts.gate_up_proj' (4, 32, 32) are in "
+                       f"{file['lost-expert']} one by one",
         "lost-shard": "is missing (named by model.safetensors.index.json)",
         "meta-buffer": "buffer 'model.rotary_emb.inv_freq' is on the meta device and not in "
                        f"{file['meta-buffer']}",

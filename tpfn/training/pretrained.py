@@ -257,6 +257,19 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
         known.update(target.names)
         t = target.tensor
         key = next((n for n in target.names if n in ckpt.where), None)
+        if key is None and target.persistent:  # transformers' per-expert (or renamed) layout
+            key = _converted(target, ckpt)
+            if isinstance(key, _Experts):
+                known.update(key.keys())
+                absent = [k for k in key.keys() if k not in ckpt.where]
+                if absent:
+                    missing += [f"missing key {k!r}: the expert weights of the model's "
+                                f"parameter {target.names[0]!r} {tuple(t.shape)} are in "
+                                f"{_files(ckpt)} one by one, but this one is in none of them; "
+                                "load the checkpoint of this model." for k in absent]
+                    continue
+            elif key is not None:
+                known.add(key)
         tied = f" (tied: also {', '.join(map(repr, target.names[1:]))})" if len(target.names) > 1 else ""
         if key is None or (not target.persistent and not target.meta):
             if target.persistent:
@@ -271,22 +284,33 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
                     "it); build the model inside tpfn.training.pretrained.empty_weights() "
                     "(parameters on meta, buffers computed), or on a real device.")
             continue
-        file = ckpt.where[key]
-        shape, code = ckpt.shapes[key], ckpt.codes[key]
-        if shape != tuple(t.shape):
-            problems.append(f"{key!r} in {file} has shape {shape}, but the model's {target.kind}"
-                            f"{tied} is {tuple(t.shape)}: load the checkpoint of this model "
-                            "(same architecture and sizes).")
-            continue
         wanted = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        stored = _DTYPES.get(code)
-        if stored is None or not _convertible(stored, wanted):
-            problems.append(
-                f"{key!r} in {file} is stored as {code} ({stored or 'unknown to torch'}), which "
-                f"does not convert to the model's {wanted} without changing its values: load "
-                "a checkpoint that stores it as a floating-point tensor, or build the model "
-                "with this dtype.")
+        sources = key.sources(tuple(t.shape)) if isinstance(key, _Experts) else \
+            [(key, tuple(t.shape))]
+        bad = False
+        for source, expected in sources:
+            file = ckpt.where[source]
+            shape, code = ckpt.shapes[source], ckpt.codes[source]
+            if shape != expected:
+                whose = f"{target.kind}{tied}" if source == key else \
+                    f"{target.kind} {target.names[0]!r} {tuple(t.shape)} needs one expert's part of"
+                problems.append(f"{source!r} in {file} has shape {shape}, but the model's "
+                                f"{whose} is {expected}: load the checkpoint of this model (same "
+                                "architecture and sizes).")
+                bad = True
+                break
+            stored = _DTYPES.get(code)
+            if stored is None or not _convertible(stored, wanted):
+                problems.append(
+                    f"{source!r} in {file} is stored as {code} ({stored or 'unknown to torch'}), "
+                    f"which does not convert to the model's {wanted} without changing its "
+                    "values: load a checkpoint that stores it as a floating-point tensor, or "
+                    "build the model with this dtype.")
+                bad = True
+                break
+        if bad:
             continue
+        file = ckpt.where[sources[0][0]]
         if isinstance(t, DTensor):
             placement = t.placements[0] if t.device_mesh.ndim == 1 else None
             if placement is None or placement.is_partial():
@@ -312,10 +336,60 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
         problems.append(
             f"the checkpoint stores the experts one by one ({example!r} in "
             f"{ckpt.where[example]}), as transformers saves mixtures of experts, and the model "
-            "holds them fused (3-D 'experts.gate_up_proj'); load_pretrained does not convert "
-            "between the two: convert it once (transformers' from_pretrained, then "
-            "tpfn.training.pretrained.save_pretrained writes the fused layout).")
+            "holds them fused (3-D 'experts.gate_up_proj'), but under names load_pretrained "
+            "does not know how to fuse (it knows Mixtral's experts.E.w1/w3/w2 and "
+            "Qwen2-MoE's experts.E.gate_proj/up_proj/down_proj): convert it once "
+            "(transformers' from_pretrained, then tpfn.training.pretrained.save_pretrained "
+            "writes the fused layout).")
     return plan, problems
+
+
+# transformers' per-expert checkpoints (its conversion_mapping.py, "mixtral" and "qwen2_moe"):
+# experts.gate_up_proj[e] = cat(gate_e, up_e) and experts.down_proj[e] = down_e, and Mixtral's
+# ".block_sparse_moe." is the model's ".mlp.".
+_EXPERT_PARTS = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")),
+                 "down_proj": (("w2",), ("down_proj",))}
+_RENAMES = ((".mlp.", ".block_sparse_moe."),)
+
+
+class _Experts:
+    """A fused 3-D expert parameter read from one 2-D tensor per expert and part:
+    ``value[e] = cat([part_0 of expert e, part_1 of expert e, ...], dim=0)``."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # [[key of each part] for each expert]
+
+    def keys(self) -> list:
+        return [k for keys in self.parts for k in keys]
+
+    def sources(self, shape: tuple) -> list:
+        """(key, the shape it must have) for each source of a fused parameter of ``shape``."""
+        if len(shape) != 3 or shape[0] != len(self.parts) or shape[1] % len(self.parts[0]):
+            return [(k, ("a 3-D fused parameter",)) for k in self.keys()[:1]]
+        rows = shape[1] // len(self.parts[0])
+        return [(k, (rows, shape[2])) for k in self.keys()]
+
+    def __repr__(self) -> str:
+        return repr(self.parts[0][0])
+
+
+def _converted(target, ckpt: _Checkpoint):
+    """The checkpoint key, or ``_Experts``, that holds ``target`` in transformers' saved
+    layout (per-expert and renamed keys), or None."""
+    for name in target.names:
+        candidates = [name] + [name.replace(a, b) for a, b in _RENAMES if a in name]
+        for candidate in candidates[1:]:
+            if candidate in ckpt.where:
+                return candidate
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("experts") or leaf not in _EXPERT_PARTS or target.tensor.ndim != 3:
+            continue
+        for base in dict.fromkeys(c.rpartition(".")[0] for c in candidates):
+            for parts in _EXPERT_PARTS[leaf]:
+                if f"{base}.0.{parts[0]}.weight" in ckpt.where:
+                    return _Experts([[f"{base}.{e}.{p}.weight" for p in parts]
+                                     for e in range(target.tensor.shape[0])])
+    return None
 
 
 def _files(ckpt: _Checkpoint) -> str:
@@ -370,6 +444,52 @@ def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
         value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
     else:  # Replicate(), or a plain tensor: whole
         value = handle.get_tensor(key)
+    return _placed(value, key, target, dtype)
+
+
+def _dim_ranges(target: _Target) -> list:
+    """For each dim of the target, this rank's ``[start, stop)`` ranges, in the order it
+    holds them (the whole dim where it is not sharded)."""
+    t = target.tensor
+    ranges = [[(0, size)] for size in t.shape]
+    placement = t.placements[0] if isinstance(t, DTensor) else None
+    if isinstance(placement, (StridedShard, Shard)):
+        mesh = t.device_mesh
+        dim = placement.dim % t.ndim
+        ranges[dim] = _ranges(t.shape[dim], placement, mesh.get_local_rank(), mesh.size())
+    return ranges
+
+
+def _read_experts(handle, experts: _Experts, target: _Target, dtype) -> torch.Tensor:
+    """This rank's slice of a fused expert parameter, read from the per-expert tensors:
+    only the experts, rows (of each part) and columns it holds."""
+    t = target.tensor
+    on_experts, on_rows, on_cols = _dim_ranges(target)
+    rows_per_part = t.shape[1] // len(experts.parts[0])
+    blocks = []
+    for e in (e for start, stop in on_experts for e in range(start, stop)):
+        rows = []
+        for start, stop in on_rows:
+            for i, key in enumerate(experts.parts[e]):
+                lo, hi = max(start, i * rows_per_part), min(stop, (i + 1) * rows_per_part)
+                if lo >= hi:
+                    continue
+                piece = handle(key).get_slice(key)
+                cols = [piece[lo - i * rows_per_part:hi - i * rows_per_part, a:b]
+                        for a, b in on_cols if b > a]
+                rows.append(cols[0] if len(cols) == 1 else torch.cat(cols, 1))
+        width = sum(b - a for a, b in on_cols)
+        blocks.append(torch.cat(rows, 0) if rows else torch.empty(0, width, dtype=dtype))
+    if blocks:
+        value = torch.stack([b.to(dtype) for b in blocks])
+    else:
+        value = torch.empty(0, sum(b - a for a, b in on_rows), sum(b - a for a, b in on_cols),
+                            dtype=dtype)
+    return _placed(value, repr(experts), target, dtype)
+
+
+def _placed(value: torch.Tensor, key: str, target: _Target, dtype) -> torch.Tensor:
+    t = target.tensor
     expected = tuple((local_tensor(t) if isinstance(t, DTensor) else t).shape)
     if tuple(value.shape) != expected:  # tpfn's arithmetic against DTensor's: a bug
         raise RuntimeError(f"tpfn read {tuple(value.shape)} of {key!r} for this rank, but its "
@@ -431,12 +551,19 @@ def load_pretrained(model: nn.Module, path, *, strict: bool = True, dtype=None) 
     values, failed = [], []
     with contextlib.ExitStack() as stack:
         handles: dict = {}
-        for target, key, wanted in plan:
+        def handle(key):
             file = ckpt.where[key]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+            return handles[file]
+
+        for target, key, wanted in plan:
+            file = ckpt.where[key.keys()[0] if isinstance(key, _Experts) else key]
             try:
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                values.append(_read(handles[file], key, target, wanted))
+                if isinstance(key, _Experts):
+                    values.append(_read_experts(handle, key, target, wanted))
+                else:
+                    values.append(_read(handle(key), key, target, wanted))
             except RuntimeError:
                 raise
             except Exception as e:  # noqa: BLE001 - a read that fails after the headers did not
