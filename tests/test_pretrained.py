@@ -284,3 +284,30 @@ def test_bad_checkpoints_raise_naming_the_key_and_the_file_and_change_nothing(ra
         assert untouched, case  # nothing half-loaded
     assert first["unexpected-accepted"] == (None, False)  # loaded, every parameter written
     assert "'model.layers.0.self_attn.qkv_proj.weight' in " in first["other-model"][0]
+
+
+# --- data x tensor parallelism ------------------------------------------------------------------
+
+
+def _dp_tp(path):
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh(2, 2, names=("dp", "tp"))
+    model = from_pretrained(path, m["tp"])  # each rank reads its tensor-parallel slices
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=m["dp"])
+    fully_shard(model, mesh=m["dp"])
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (4, 8))
+    mine = ids.chunk(2)[m["dp"].get_local_rank()]  # each data-parallel rank its half
+    out, expected = model(mine).logits, ref(ids).logits.chunk(2)[m["dp"].get_local_rank()]
+    return rel_err(out, expected)
+
+
+def test_loads_at_tp_then_fully_shards_over_dp_and_matches_one_device(ranks4, tmp_path):
+    """DP x TP: load on mesh['tp'] of a 2 x 2 mesh, then FSDP2 on mesh['dp']: the logits of
+    each data-parallel half are one device's."""
+    path = str(tmp_path / "hf")
+    build("llama").save_pretrained(path, max_shard_size=SHARD)
+    assert max(ranks4.run(_dp_tp, path)) <= TOL
