@@ -204,24 +204,44 @@ def _explained():
     return report.collectives, report.bytes, str(report)
 
 
-def test_explain_after_the_users_own_default_group_was_destroyed_reports_the_same():
-    """``explain`` runs on fake ranks of its own and never needs the default process group,
-    so a user's ``init_process_group(...)`` and ``destroy_process_group()`` before it change
-    nothing: the second dry run reports the same collectives, bytes and text as the first."""
+def _explain_around_a_users_group() -> bool:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        pytest.skip("this process already has a default process group")
     first = _explained()
-    # Never leave a default group behind. (Today the destroy also unregisters the fake
-    # groups of the dry runs made before it in this process, so later explain calls at
-    # those world sizes, doctests included, fail as well.)
+    # Never leave a default group behind.
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert _explained() == first
+    return _explained() == first
+
+
+def _in_a_fork(queue) -> None:
+    dist.destroy_process_group()  # this fork's copy of the parent's default group
+    queue.put(_explain_around_a_users_group())
+
+
+def test_explain_after_the_users_own_default_group_was_destroyed_reports_the_same():
+    """``explain`` runs on fake ranks of its own and never needs the default process group,
+    so a user's ``init_process_group(...)`` and ``destroy_process_group()`` before it change
+    nothing: the second dry run reports the same collectives, bytes and text as the first.
+    (Where this process already has a default group, the user's part runs in a fork.)"""
+    if not dist.is_initialized():
+        assert _explain_around_a_users_group()
+        return
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_in_a_fork, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=120)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
 
 
 # 4. A module-level style on a module with parameters beyond weight and bias.
