@@ -113,28 +113,11 @@ def test_wide_prints_every_parameter_and_slot(capsys):
     assert f"{capsys.readouterr().out}" == f"{report.text(width=None)}\n"
 
 
-def test_the_wide_table_in_full():
+def test_the_compact_table_in_full():
+    """The wide form in full: tests/test_explain.py."""
     mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
                           example_inputs=torch.randn(8, 16, requires_grad=True))
-    assert report.text(width=None, wide=True) == """\
-tpfn.explain on 4 ranks: one forward and backward of input 0 (8, 16) float32
-
-module      style | layout                global -> local | steps  forward             backward
-0 (Linear)  colwise()                                              -                   1 all_reduce 768 B
-  weight    Shard(dim=0)                  (64, 16) -> (16, 16)
-  bias      Shard(dim=0)                  (64,) -> (16,)
-  input 0   Replicate() -> Replicate()    -
-  output 0  Shard(dim=1) -> Shard(dim=1)  -
-2 (Linear)  rowwise()                                              1 all_reduce 768 B  -
-  weight    Shard(dim=1)                  (16, 64) -> (16, 16)
-  bias      Replicate()                   (16,) -> (16,)
-  input 0   Shard(dim=1) -> Shard(dim=1)  -
-  output 0  Partial() -> Replicate()      AllReduce()
-
-collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_reduce
-bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
-parameter bytes per rank: 2,176 B (2.1 KiB)"""
     assert str(report) == report.text() == """\
 tpfn.explain on 4 ranks: one forward and backward of input 0 (8, 16) float32
 

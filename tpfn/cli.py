@@ -196,6 +196,16 @@ Repeat --input for more inputs. Positional and keyword inputs mix where the mode
 names its positional parameters."""
 
 
+def _input_options(parser, shapes: str) -> None:
+    """The --input and --dtype options, shared by explain and verify."""
+    parser.add_argument("--input", action="append", type=_input, default=[],
+                        metavar="[NAME=]SHAPE[:DTYPE][:grad]",
+                        help=f"an input: {shapes}; input_ids=1,256; 8,16,64:float32:grad (repeat "
+                        "for more inputs)")
+    parser.add_argument("--dtype", type=_dtype, default=torch.int64,
+                        help="dtype of the inputs that give none (int64)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpfn", description="Tensor parallelism for PyTorch as a small functional language.")
@@ -211,12 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=model_help)
     p.add_argument("plan", help=plan_help)
     p.add_argument("--world-size", required=True, type=_size, help="ranks, or a name for a formula")
-    p.add_argument("--input", action="append", type=_input, default=[],
-                   metavar="[NAME=]SHAPE[:DTYPE][:grad]",
-                   help="an input: 8,1024 or b,s; input_ids=1,256; 8,16,64:float32:grad (repeat "
-                   "for more inputs)")
-    p.add_argument("--dtype", type=_dtype, default=torch.int64,
-                   help="dtype of the inputs that give none (int64)")
+    _input_options(p, "8,1024 or b,s")
     p.add_argument("--size", action="append", type=_stand_in, default=[], metavar="NAME=VALUE",
                    help="stand-in value of a named size")
     p.add_argument("--wide", action="store_true",
@@ -238,12 +243,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("model", help=model_help)
     v.add_argument("plan", help=plan_help)
     v.add_argument("--world-size", type=int, default=2, help="ranks (2)")
-    v.add_argument("--input", action="append", type=_input, default=[],
-                   metavar="[NAME=]SHAPE[:DTYPE][:grad]",
-                   help="an input: 8,1024; input_ids=1,256; 8,16,64:float32:grad (repeat for "
-                   "more inputs)")
-    v.add_argument("--dtype", type=_dtype, default=torch.int64,
-                   help="dtype of the inputs that give none (int64)")
+    _input_options(v, "8,1024")
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     v.add_argument("--traceback", action="store_true",
