@@ -176,7 +176,7 @@ def _placement_to_torch(p, ndim):
     return _dt.Partial(p.op)
 
 
-def to_torch(layout, ndim: int | None = None) -> tuple:
+def to_torch(layout: Placement | tuple, ndim: int | None = None) -> tuple:
     """The ``torch.distributed.tensor`` placements of a layout (always a tuple); with ``ndim``,
     shard dims normalized for a tensor of that many dims.
 

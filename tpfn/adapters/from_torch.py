@@ -150,7 +150,7 @@ def plan_from_torch(torch_plan: dict) -> Plan:
     return plan(rules)
 
 
-def from_torch(value):
+def from_torch(value: ParallelStyle | dict | Placement | list | tuple) -> Style | Plan | tuple:
     """tpfn's value for a PyTorch one: a style object -> style, a ``parallelize_module``
     plan (dict) -> plan, DTensor placements (one or a sequence) -> layout.
 

@@ -27,7 +27,6 @@ from fractions import Fraction
 import attrs
 import sympy
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -39,6 +38,8 @@ from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
+from tpfn.plans.plan import Plan
+from tpfn.style.style import Style
 
 __all__ = ["explain", "ExampleInput"]
 
@@ -336,7 +337,8 @@ def _check_world_size(world_size):
                     f"that is a {type(world_size)!r}).")
 
 
-def explain(module: nn.Module, plan, *, world_size, example_inputs=None, dtype: torch.dtype = torch.long,
+def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
+            example_inputs: object = None, dtype: torch.dtype = torch.long,
             sizes: dict | None = None) -> Report:
     """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
 

@@ -26,7 +26,8 @@ from tpfn.dryrun.forked import on_ranks
 from tpfn.dryrun.lints import failing_module
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
-from tpfn.plans.plan import resolve
+from tpfn.plans.plan import Plan, resolve
+from tpfn.style.style import Style
 
 __all__ = ["verify", "Verification", "Check"]
 
@@ -458,7 +459,8 @@ def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
     return None
 
 
-def verify(model: nn.Module, plan, example_inputs, *, world_size: int = 2,
+def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, *,
+           world_size: int = 2,
            tolerance: float = TOLERANCE, dtype: torch.dtype = torch.long, seed: int = 0,
            cotangent: str = "random", timeout: float = 120.0) -> Verification:
     """Run ``plan`` on ``model`` over ``world_size`` real ranks (forked processes, gloo) and

@@ -36,7 +36,9 @@ from tpfn.interpret.prepare import (
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.layout import Partial, from_torch
-from tpfn.plans.plan import resolve
+from tpfn.plans.mount import Mount
+from tpfn.plans.plan import Plan, resolve
+from tpfn.style.style import Style
 
 __all__ = ["parallelize", "mounted", "runtime", "Runtime"]
 
@@ -143,7 +145,7 @@ def runtime(module: nn.Module) -> Runtime | None:
     return forward if isinstance(forward, Runtime) else None
 
 
-def mounted(module: nn.Module):
+def mounted(module: nn.Module) -> Mount | None:
     """The ``Mount`` that ``parallelize`` put on ``module``, or None."""
     found = runtime(module)
     return None if found is None else found.mount
@@ -197,7 +199,8 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
     return {full: placement for full, placement, _ in by_param.values()}, found
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan=None, *,
+def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
+                plan: Plan | dict | Style | None = None, *,
                 src_rank: int | None = 0) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 

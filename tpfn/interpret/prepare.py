@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn._torch import keep_mesh
@@ -37,7 +38,8 @@ __all__ = ["shard_params", "prepare_inputs", "prepare_outputs", "convert", "chec
            "not_a_tensor", "unpackable"]
 
 
-def shard_params(module: nn.Module, mesh, rule: dict, *, src_rank: int | None = 0) -> dict:
+def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
+                 src_rank: int | None = 0) -> dict:
     """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout map).
 
     Dotted names reach into submodules. ``src_rank`` is the rank whose values every rank
@@ -173,7 +175,8 @@ def _spec(spec, kind, name: str, side: str):
     return spec
 
 
-def prepare_inputs(args: tuple, kwargs: dict, spec, mesh, *, names: tuple = (),
+def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *,
+                   names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
                    cache: dict | None = None, first_shape: tuple | None = None) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
@@ -213,8 +216,9 @@ def prepare_inputs(args: tuple, kwargs: dict, spec, mesh, *, names: tuple = (),
     return tuple(args), kwargs
 
 
-def prepare_outputs(outputs, spec, mesh, *, where: str = "prepare_outputs",
-                    shapes: Shapes | None = None, cache: dict | None = None):
+def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
+                    where: str = "prepare_outputs", shapes: Shapes | None = None,
+                    cache: dict | None = None) -> object:
     """``outputs`` with every output that ``spec`` names converted (a new container).
 
     ``spec``: a ``prepare_out(...)`` style, or the ``Outputs`` of a mounted module.

@@ -161,7 +161,7 @@ class Plan:
 _OVERRIDE = "; bind it once, or override it: plan.override({rule})"
 
 
-def plan(mapping=None) -> Plan:
+def plan(mapping: dict | Plan | None = None) -> Plan:
     """The plan of ``mapping`` (pattern -> style or nested plan/dict).
 
     >>> plan({"mlp": {"w1": colwise(), "w2": rowwise()}})
@@ -197,7 +197,7 @@ def _prefixed(rules, modules: dict, found: list) -> list:
                    f"{head + '.'!r} (e.g. {rest[0]!r})."]
 
 
-def resolve(plan_like, module: nn.Module) -> tuple:
+def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
     """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
     one ``PlanError`` listing every problem."""
     rules = as_plan(plan_like).rules

@@ -17,7 +17,7 @@ Inputs come before the core, outputs after it, at most one core; ``params`` go a
 
 from __future__ import annotations
 
-from tpfn.layout import Partial, Replicate, Shard, is_placement
+from tpfn.layout import Partial, Placement, Replicate, Shard, is_placement
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, flag, placement_or_none
 from tpfn.style.style import Style
@@ -110,7 +110,9 @@ def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
     return Style((Core("sequence_parallel", dim=dim, local=_local(local)),))
 
 
-def on_shards(*wants, grads=None, output=None, param_grads=None, local: bool | None = None) -> Style:
+def on_shards(*wants: Placement | None, grads: Placement | tuple | None = None,
+              output: Placement | None = None, param_grads: dict | None = None,
+              local: bool | None = None) -> Style:
     """The module computes on local tensors: its parameters' local shards, its inputs in ``wants``.
 
     For any module whose layouts you know (a mixture of experts, a per-head norm): tpfn then
@@ -164,7 +166,7 @@ def replicate() -> Style:
     return Style((Params(rest=Replicate()),))
 
 
-def params(**rules) -> Style:
+def params(**rules: Shard | Replicate) -> Style:
     """Place the named parameters (dotted names reach into submodules); nothing else changes.
 
     For modules no built-in style knows: the module then computes on DTensors, so give it
@@ -225,7 +227,8 @@ def _named_slots(what: str, mapping, lone: str) -> tuple:
     return tuple(sorted((n, s) for n, s in out if not s.untouched))
 
 
-def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> Style:
+def prepare_in(*given: Placement | None, desired: Placement | tuple | None = None,
+               kwargs: dict | None = None, local: bool | None = None) -> Style:
     """Annotate and redistribute the module's inputs before it runs.
 
     - ``given``: one layout per positional input, the layout its local tensor is in
@@ -249,7 +252,8 @@ def prepare_in(*given, desired=None, kwargs=None, local: bool | None = None) -> 
     return Style((Inputs(slots, named, _local(local)),))
 
 
-def prepare_out(*desired, given=None, keys=None, local: bool | None = None) -> Style:
+def prepare_out(*desired: Placement | None, given: Placement | tuple | None = None,
+                keys: dict | None = None, local: bool | None = None) -> Style:
     """Annotate and redistribute the module's outputs after it runs.
 
     - ``desired``: one layout per positional output (a tensor, or the items of a tuple or

@@ -11,6 +11,7 @@ meshes, and scales every gradient by the same factor.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ def _norm(grads: list, norm_type: float) -> torch.Tensor:
     return total if inf else total ** (1 / norm_type)
 
 
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients on any mix of meshes and plain tensors.
 

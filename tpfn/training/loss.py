@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._torch import assert_async
@@ -88,9 +89,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return d, None, None, None, None, None, None, None
 
 
-def cross_entropy(input, target, weight=None, size_average=None, ignore_index: int = -100,
-                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0, *,
-                  mesh=None) -> torch.Tensor:
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  size_average: None = None, ignore_index: int = -100, reduce: None = None,
+                  reduction: str = "mean", label_smoothing: float = 0.0, *,
+                  mesh: DeviceMesh | None = None) -> torch.Tensor:
     """``F.cross_entropy`` on logits sharded over the class dim, without gathering them.
 
     ``input`` is a DTensor sharded on its class dim (dim 1, or 0 for one sample: the output

@@ -38,14 +38,18 @@ import json
 import os
 import re
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tpfn._torch import StridedShard, in_a_graph, local_tensor, swap_in_place
 from tpfn.errors import CheckpointError
+from tpfn.plans.plan import Plan
+from tpfn.style.style import Style
 
 __all__ = ["load_pretrained", "save_pretrained", "from_pretrained", "empty_weights",
            "CheckpointError", "SINGLE", "INDEX"]
@@ -68,7 +72,7 @@ _DTYPES = {code: getattr(torch, name) for code, name in {
 
 
 @contextlib.contextmanager
-def empty_weights():
+def empty_weights() -> Iterator[None]:
     """Build modules with their parameters on the meta device and their buffers real.
 
     Every parameter registered inside the block is moved to meta as it is registered (no
@@ -515,7 +519,8 @@ def _fill(target: _Target, value: torch.Tensor) -> None:
     swap_in_place(t, nn.Parameter(value, requires_grad=t.requires_grad))
 
 
-def load_pretrained(model: nn.Module, path, *, strict: bool = True, dtype=None) -> nn.Module:
+def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+                    dtype: torch.dtype | None = None) -> nn.Module:
     """Fill every parameter and buffer of ``model`` with this rank's slice of the checkpoint
     at ``path``; returns ``model``. Every rank of the model's mesh calls it.
 
@@ -605,7 +610,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def save_pretrained(model: nn.Module, path, *, max_shard_size="5GB") -> None:
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
+                    max_shard_size: int | str = "5GB") -> None:
     """Write ``model`` as a Hugging Face checkpoint in the directory ``path``; every rank
     calls it, rank 0 writes.
 
@@ -707,7 +713,9 @@ def _build(config, model_class, dtype):
     return model_class(config)
 
 
-def from_pretrained(path, mesh, *, model_class=None, plan=None, dtype=None) -> nn.Module:
+def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: type | None = None,
+                    plan: Plan | dict | Style | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Module:
     """The model of the Hugging Face checkpoint directory ``path``, parallelized over the 1-D
     ``mesh``, each rank holding and having read only its slices; in eval mode, as
     transformers returns it. Every rank of the mesh calls it.
