@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from tpfn._torch import StridedShard, in_a_graph, local_tensor, swap_in_place
+from tpfn.algebra import chunk_bounds
 from tpfn.errors import CheckpointError
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
@@ -425,9 +426,8 @@ def _ranges(size: int, placement, rank: int, n: int) -> list:
         chunk = part // n
         return [(i * part + rank * chunk, i * part + (rank + 1) * chunk)
                 for i in range(placement.split_factor)]
-    chunk = -(-size // n)  # torch.chunk's sizes, which DTensor's Shard uses
-    start = min(rank * chunk, size)
-    return [(start, min(start + chunk, size))]
+    start, length = chunk_bounds(size, n, rank)  # torch.chunk's, as DTensor's Shard
+    return [(start, start + length)]
 
 
 def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
