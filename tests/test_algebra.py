@@ -10,10 +10,10 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests import virtual
-from tests.strategies import layouts, setups
+from tests.strategies import heads, layouts, setups
 from tpfn.algebra import (
     AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Step,
-    comm_bytes, cotangent, local_shape, pullback, transition,
+    comm_bytes, cotangent, local_shape, pullback, shard_ranges, transition,
 )
 from tpfn.layout import Partial, Replicate, Shard, normalize
 
@@ -31,21 +31,31 @@ def problems(draw, n_layouts=2):
     """A global tensor of small integers, a mesh, and layouts that fit both."""
     shape, mesh_shape = draw(setups())
     ndim = max(len(shape), 1)
-    outs = [draw(layouts(len(mesh_shape), ndim)) for _ in range(n_layouts)]
+    outs = [draw(layouts(len(mesh_shape), ndim, unequal=True)) for _ in range(n_layouts)]
     shape = even_where_packed(shape, outs)
+    assume(shape is not None)
     seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     t = torch.randint(-9, 10, shape, generator=gen).to(torch.float64)
     return t, mesh_shape, outs, seed
 
 
-def even_where_packed(shape, layouts_) -> tuple:
-    """The shape with every dim a packed shard splits into 2 parts made even."""
-    shape = list(shape)
-    for layout in layouts_:
-        for p in normalize(layout, len(shape)):
-            if isinstance(p, Shard) and p.parts > 1:
-                shape[p.dim] -= shape[p.dim] % p.parts
+def even_where_packed(shape, layouts_) -> tuple | None:
+    """The shape with every dim a packed shard splits into parts made to hold them: the sum
+    of unequal parts, a multiple of a number of equal parts (None: no size holds both)."""
+    shape, fixed = list(shape), {}
+    packed = [p for layout in layouts_ for p in normalize(layout, len(shape))
+              if isinstance(p, Shard) and p.parts != 1]
+    for p in sorted(packed, key=lambda p: not isinstance(p.parts, tuple)):
+        if isinstance(p.parts, tuple):
+            if fixed.setdefault(p.dim, sum(p.parts)) != sum(p.parts):
+                return None
+            shape[p.dim] = sum(p.parts)
+        elif p.dim in fixed:
+            if shape[p.dim] % p.parts:
+                return None
+        else:
+            shape[p.dim] -= shape[p.dim] % p.parts
     return tuple(shape)
 
 
@@ -54,7 +64,7 @@ def coords(mesh_shape):
 
 
 # Law 3: identity.
-@given(st.integers(1, 3).flatmap(layouts))
+@given(st.integers(1, 3).flatmap(lambda n: layouts(n, unequal=True)))
 def test_transition_to_itself_is_the_empty_program(layout):
     assert transition(layout, layout) == ()
 
@@ -93,7 +103,7 @@ def test_composition_equals_the_direct_transition(problem):
 @given(setups(), st.data())
 def test_local_shapes_tile_the_global_shape(setup, data):
     shape, mesh_shape = setup
-    layout = data.draw(layouts(len(mesh_shape), len(shape)))
+    layout = data.draw(layouts(len(mesh_shape), len(shape), unequal=True))
     layout = tuple(Replicate() if isinstance(p, Partial) else p for p in layout)
     shape = even_where_packed(shape, [layout])
     ids = torch.arange(math.prod(shape)).reshape(shape)
@@ -117,7 +127,7 @@ def test_local_shape_follows_torch_chunk_for_uneven_sizes():
 @given(setups(), st.data())
 def test_symbolic_local_shape_agrees_with_the_numeric_one(setup, data):
     shape, mesh_shape = setup
-    layout = data.draw(layouts(len(mesh_shape), len(shape)))
+    layout = data.draw(layouts(len(mesh_shape), len(shape), unequal=True))
     shape = even_where_packed(shape, [layout])
     coord = tuple(data.draw(st.integers(0, k - 1)) for k in mesh_shape)
     names = sympy.symbols(f"d0:{len(shape)}", integer=True, nonnegative=True)
@@ -177,7 +187,7 @@ def test_symbolic_cost_agrees_with_the_numeric_one(problem):
 
 
 # Law 7: illegal transitions are rejected with the rule stated.
-@given(st.integers(1, 3).flatmap(lambda n: st.tuples(layouts(n), layouts(n))))
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(layouts(n, unequal=True), layouts(n, unequal=True))))
 def test_illegal_transitions_are_rejected(pair):
     src, dst = pair
     creates = any(isinstance(d, Partial) and s != d for s, d in zip(src, dst))
@@ -250,7 +260,7 @@ def test_pullback_pairs_gather_with_reduce_scatter_and_chunk_with_gather():
     assert pullback(Shard(0), Shard(1)) == (AllToAll(1, 0),)
 
 
-@given(st.integers(1, 3).flatmap(lambda n: st.tuples(layouts(n), layouts(n))))
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(layouts(n, unequal=True), layouts(n, unequal=True))))
 def test_pullback_lands_on_the_cotangent_of_the_source(pair):
     src, dst = pair
     assume(legal(src, dst))
@@ -261,3 +271,59 @@ def test_pullback_lands_on_the_cotangent_of_the_source(pair):
         got[step.mesh_dim] = step.dst
     assert tuple(got) == cotangent(normalize(src, 3))
     assert all(not isinstance(p, Partial) for p in got)
+
+
+def test_unequal_parts_move_through_replicate_as_equal_ones_do():
+    qkv = Shard(0, parts=(4, 2, 2))
+    assert transition(qkv, Replicate()) == (AllGather(0, parts=(4, 2, 2)),)
+    assert transition(Replicate(), qkv) == (Chunk(0, parts=(4, 2, 2)),)
+    assert transition(Shard(0), qkv) == (AllGather(0), Chunk(0, parts=(4, 2, 2)))
+    assert pullback(Replicate(), qkv) == (AllGather(0, parts=(4, 2, 2)),)
+    assert local_shape((8, 3), qkv, (2,), (1,)) == (4, 3)
+    assert shard_ranges(8, qkv, 2, 1) == ((2, 2), (5, 1), (7, 1))  # q[2:4], k[1:2], v[1:2]
+    with pytest.raises(ValueError, match=r"packs parts of 4 \+ 2 \+ 2 = 8 in dim 0, which has 9\."):
+        local_shape((9, 3), qkv, (2,), (0,))
+    with pytest.raises(ValueError, match="two or more part sizes"):
+        Shard(0, parts=(8,))
+
+
+@given(st.lists(st.integers(1, 6), min_size=2, max_size=4), st.integers(2, 4), st.integers(1, 3))
+def test_equal_sizes_are_the_equal_parts_of_an_int(sizes, k, n):
+    """Law: ``parts=(p,) * n`` holds what ``parts=n`` holds, rank by rank."""
+    part = sizes[0]
+    for c in range(k):
+        assert shard_ranges(part * n, Shard(0, parts=(part,) * n if n > 1 else 1), k, c) == \
+            shard_ranges(part * n, Shard(0, parts=n), k, c)
+
+
+@given(heads(), st.integers(1, 4), st.sampled_from([1, 2, 3, 4]), st.data())
+def test_heads_are_whole_on_every_rank_and_replicas_agree(placement, per_head, factor, data):
+    """Over ranks that divide the heads each holds its own; over a multiple of them each
+    head's group holds it whole, every replica alike; each head is held somewhere."""
+    h = placement.heads
+    k = data.draw(st.sampled_from(sorted({d for d in range(1, h + 1) if h % d == 0} | {h * factor})))
+    size = h * per_head
+    held = [shard_ranges(size, Shard(0, heads=h), k, c) for c in range(k)]
+    for ranges in held:
+        assert len(ranges) == 1 and ranges[0][1] % per_head == 0 and ranges[0][1] > 0
+    assert sorted({r for ranges in held for r in ranges}) == [
+        (i * size // len(set(held)), size // len(set(held))) for i in range(len(set(held)))]
+    if k <= h:
+        assert held == [shard_ranges(size, Shard(0), k, c) for c in range(k)]
+    else:
+        assert all(held[c] == held[c - c % (k // h)] for c in range(k))
+    ids = torch.arange(size * 3).reshape(size, 3)
+    for c in range(k):
+        assert local_shape(ids.shape, Shard(0, heads=h), (k,), (c,)) == (held[c][0][1], 3)
+
+
+def test_heads_refuse_a_number_of_ranks_that_neither_divides_nor_multiplies_them():
+    with pytest.raises(ValueError, match=r"over 3 ranks: 3 neither divides the 2 heads nor is a "
+                                         r"multiple of them"):
+        local_shape((16, 4), Shard(0, heads=2), (3,), (0,))
+    with pytest.raises(ValueError, match=r"no transition moves a tensor into or out of "
+                                         r"Shard\(dim=0, heads=2\)"):
+        transition(Shard(0, heads=2), Replicate())
+    assert transition(Shard(0, heads=2), Shard(0, heads=2)) == ()
+    with pytest.raises(ValueError, match="a dim is either packed parts or heads, not both"):
+        Shard(0, parts=2, heads=2)

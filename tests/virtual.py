@@ -16,22 +16,29 @@ from tpfn.algebra import AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, t
 from tpfn.layout import Partial, Replicate, Shard, normalize
 
 
-def chunks(t: torch.Tensor, dim: int, k: int, parts: int = 1) -> list:
+def _sizes(size: int, parts) -> list:
+    """The sizes of the parts packed in a dim of ``size``: ``parts`` equal ones, or the sizes given."""
+    return list(parts) if isinstance(parts, tuple) else [size // parts] * parts
+
+
+def chunks(t: torch.Tensor, dim: int, k: int, parts=1) -> list:
     """``torch.chunk`` padded with empty chunks to exactly ``k`` (DTensor's split); with
-    ``parts``, chunk ``c`` of each of the equal parts, concatenated."""
-    if parts > 1:
-        pieces = [chunks(piece, dim, k) for piece in torch.chunk(t, parts, dim)]
+    ``parts`` (a count of equal parts, or their sizes), chunk ``c`` of each part, concatenated."""
+    if parts != 1:
+        pieces = [chunks(piece, dim, k) for piece in t.split(_sizes(t.size(dim), parts), dim)]
         return [torch.cat([p[c] for p in pieces], dim) for c in range(k)]
     split = list(torch.chunk(t, k, dim)) if t.size(dim) else []
     empty = t.narrow(dim, 0, 0)
     return split + [empty] * (k - len(split))
 
 
-def _gather(group: list, dim: int, parts: int) -> torch.Tensor:
+def _gather(group: list, dim: int, parts) -> torch.Tensor:
     if parts == 1:
         return torch.cat(group, dim)
-    pieces = [torch.chunk(t, parts, dim) if t.size(dim) else [t] * parts for t in group]
-    return torch.cat([pieces[r][p] for p in range(parts) for r in range(len(group))], dim)
+    size = sum(t.size(dim) for t in group)
+    held = [[len(c) for c in chunks(torch.arange(part), 0, len(group))] for part in _sizes(size, parts)]
+    pieces = [t.split([h[r] for h in held], dim) for r, t in enumerate(group)]
+    return torch.cat([pieces[r][p] for p in range(len(held)) for r in range(len(group))], dim)
 
 
 def _terms(t: torch.Tensor, op: str, k: int, gen: torch.Generator) -> list:

@@ -7,7 +7,8 @@ Pure functions over layouts and shapes; no process group is involved.
 - ``pullback(src, dst, grad)``: the program that the backward of that transition runs on a
   gradient that arrives with layout ``grad``.
 - ``local_shape(global_shape, layout, mesh_shape, coord)``: the shape one rank holds
-  (``torch.chunk``'s uneven rule), for ints and sympy expressions.
+  (``torch.chunk``'s uneven rule), for ints and sympy expressions; ``shard_ranges``: which
+  ranges of a sharded dim it holds (its chunk of every packed part, its group's heads).
 - ``comm_bytes(steps, global_shape, mesh_shape, itemsize)``: bytes each rank sends, as a
   sympy expression, under the ring model.
 
@@ -39,6 +40,7 @@ __all__ = [
     "Step",
     "transition",
     "chunk_bounds",
+    "shard_ranges",
     "pullback",
     "cotangent",
     "local_shape",
@@ -71,10 +73,11 @@ def _step(cls):
 
 @_step
 class AllGather:
-    """``Shard(dim, parts) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk."""
+    """``Shard(dim, parts) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk
+    (``parts``: an int, or the sizes of unequal parts)."""
 
     dim: int
-    parts: int = 1
+    parts: int | tuple = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
     collective = "all_gather"
@@ -126,7 +129,7 @@ class Chunk:
     (of every part); no communication."""
 
     dim: int
-    parts: int = 1
+    parts: int | tuple = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
     collective = None
@@ -176,7 +179,7 @@ def _make_steps(current: tuple, mesh_dim: int, target) -> tuple:
     cur = current[mesh_dim]
     others = tuple(j for j, p in enumerate(current) if j != mesh_dim and isinstance(p, Shard))
     where = dict(mesh_dim=mesh_dim, sharded_by=others)
-    packed = any(isinstance(p, Shard) and p.parts > 1 for p in (cur, target))
+    packed = any(isinstance(p, Shard) and p.parts != 1 for p in (cur, target))
     if isinstance(target, Replicate):
         if isinstance(cur, Partial):
             return (AllReduce(op=cur.op, **where),)
@@ -215,7 +218,14 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     if ndim is not None:
         src, dst = normalize(src, ndim), normalize(dst, ndim)
     _check_legal(src, dst)
-    if len(src) > 1 and any(isinstance(p, Shard) and p.parts > 1 for p in src + dst):
+    heads = [p for s, d in zip(src, dst) if s != d for p in (s, d)
+             if isinstance(p, Shard) and p.heads is not None]
+    if heads:
+        raise ValueError(
+            f"{src} -> {dst}: no transition moves a tensor into or out of {heads[0]!r}: each "
+            "head is held by a group of ranks on more ranks than heads, which DTensor has no "
+            "placement for; hand the local shards on as the projection makes them.")
+    if len(src) > 1 and any(isinstance(p, Shard) and p.parts != 1 for p in src + dst):
         raise ValueError(
             f"{src} -> {dst}: packed shards (parts > 1) are modelled on 1-D meshes only, where "
             "tensor parallelism uses them; redistribute over one mesh dim at a time."
@@ -298,15 +308,57 @@ def _chunk_size(n, k, c):
     return sympy.Max(0, sympy.Min(n, (c + 1) * q) - c * q)
 
 
+def _head_chunks(placement: Shard, k: int, c: int) -> range:
+    """The heads (``torch.chunk``s of the dim) that rank ``c`` of ``k`` holds."""
+    h = placement.heads
+    if _is_symbolic(k, c):
+        raise ValueError(f"{placement!r} on a symbolic number of ranks: whether they divide "
+                         f"{h} heads or are a multiple of them decides what each holds; give "
+                         "the number of ranks.")
+    if h % k == 0:
+        return range(c * (h // k), (c + 1) * (h // k))
+    if k % h == 0:
+        return range(c // (k // h), c // (k // h) + 1)
+    raise ValueError(f"{placement!r} over {k} ranks: {k} neither divides the {h} heads nor is "
+                     f"a multiple of them, so the ranks cannot hold whole heads; choose a "
+                     f"number of ranks that divides {h} or is a multiple of it.")
+
+
+def shard_ranges(size, placement: Shard, k: int, c: int) -> tuple:
+    """``((start, size), ...)``: the ranges of a dim of ``size`` that rank ``c`` of ``k``
+    holds under ``placement``, in the order it holds them (one per packed part).
+
+    >>> shard_ranges(8, Shard(0), 2, 1)
+    ((4, 4),)
+    >>> shard_ranges(96, Shard(0, parts=(64, 16, 16)), 2, 1)
+    ((32, 32), (72, 8), (88, 8))
+    >>> [shard_ranges(16, Shard(0, heads=2), 4, c) for c in range(4)]
+    [((0, 8),), ((0, 8),), ((8, 8),), ((8, 8),)]
+    """
+    if placement.heads is not None:
+        heads = _head_chunks(placement, k, c)
+        first = chunk_bounds(size, placement.heads, heads[0])[0]
+        return ((first, sum(chunk_bounds(size, placement.heads, j)[1] for j in heads)),)
+    out, offset = [], 0
+    for part in placement.sizes(size):
+        start, length = chunk_bounds(part, k, c)
+        out.append((offset + start, length))
+        offset += part
+    return tuple(out)
+
+
 def local_shape(global_shape, layout, mesh_shape, coord) -> tuple:
     """The shape of the tensor held at mesh coordinate ``coord``.
 
     Mesh dims apply in order, each splitting what the previous ones left by
     ``torch.chunk``'s rule (chunks of ``ceil(n / k)``, the last ones smaller or empty),
-    as DTensor does. Sizes, mesh sizes and coordinates may be sympy expressions.
+    as DTensor does; a packed dim splits each part so. Sizes, mesh sizes and coordinates
+    may be sympy expressions (the number of ranks must be a number for ``heads=``).
 
     >>> local_shape((7,), Shard(0), (4,), (3,))
     (1,)
+    >>> local_shape((96, 8), Shard(0, parts=(64, 16, 16)), (4,), (0,))
+    (24, 8)
     >>> import sympy
     >>> s = sympy.Symbol("s", positive=True, integer=True)
     >>> local_shape((8 * s, 16), (Shard(0), Shard(1)), (2, 4), (0, 1))
@@ -322,9 +374,10 @@ def local_shape(global_shape, layout, mesh_shape, coord) -> tuple:
     for p, k, c in zip(normalize(layout, len(shape)), mesh_shape, coord):
         if isinstance(p, Shard):
             size = shape[p.dim]
-            if p.parts > 1 and not _is_symbolic(size) and size % p.parts:
-                raise ValueError(f"{p!r} needs dim {p.dim} to hold {p.parts} equal parts; it has {size}.")
-            shape[p.dim] = p.parts * _chunk_size(size / p.parts if _is_symbolic(size) else size // p.parts, k, c)
+            if p.heads is not None:
+                shape[p.dim] = sum(length for _, length in shard_ranges(size, p, k, c))
+            else:
+                shape[p.dim] = sum(_chunk_size(part, k, c) for part in p.sizes(size))
     return tuple(shape)
 
 

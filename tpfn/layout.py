@@ -4,7 +4,9 @@ A *placement* says what one mesh dimension does to a tensor:
 
 - ``Shard(dim)``: each rank holds one ``torch.chunk`` of tensor dimension ``dim``
   (``Shard(dim, parts=k)``: the dim packs ``k`` equal parts, e.g. a fused gate and up
-  projection, and each rank holds its chunk of every part);
+  projection, and each rank holds its chunk of every part; ``parts=(q, k, v)``: parts of
+  those sizes; ``Shard(dim, heads=h)``: the dim is ``h`` heads, and over more ranks than
+  heads each head is held by a group of ranks);
 - ``Replicate()``: each rank holds the whole tensor;
 - ``Partial(op)``: each rank holds a term; the tensor is their reduction by ``op``.
 
@@ -19,6 +21,8 @@ True
 (Shard(dim=0),)
 >>> normalize(Shard(-1), ndim=3)
 (Shard(dim=2),)
+>>> Shard(0, parts=(64, 16, 16)), Shard(0, heads=8)
+(Shard(dim=0, parts=(64, 16, 16)), Shard(dim=0, heads=8))
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 from typing import Union
 
 import attrs
+import sympy
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -37,6 +42,7 @@ __all__ = [
     "REDUCE_OPS",
     "as_layout",
     "is_placement",
+    "exact_in_torch",
     "normalize",
     "to_torch",
     "from_torch",
@@ -67,6 +73,29 @@ def _positive(instance, attribute, value):
         raise ValueError(f"'{attribute.name}' must be at least 1 (got {value!r}).")
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _parts(instance, attribute, value):
+    if isinstance(value, tuple):
+        if len(value) < 2 or not all(map(_is_count, value)):
+            raise ValueError(f"'parts' must be a positive int or a tuple of two or more part "
+                             f"sizes, each a positive int (got {value!r}).")
+        return
+    _positive(instance, attribute, value)
+
+
+def _heads(instance, attribute, value):
+    if value is None:
+        return
+    _positive(instance, attribute, value)
+    if instance.parts != 1:
+        raise ValueError(f"Shard(dim={instance.dim}, parts={instance.parts!r}, heads={value!r}): "
+                         "a dim is either packed parts or heads, not both; shard fused q, k and v "
+                         "with parts=(q, k, v), or split them into projections, each heads=...")
+
+
 @attrs.frozen(slots=True, repr=False)
 class Shard:
     """Each rank holds one ``torch.chunk`` of tensor dimension ``dim`` (negative counts from the end).
@@ -74,18 +103,59 @@ class Shard:
     With ``parts=k`` the dim packs ``k`` equal parts side by side (a fused gate and up
     projection: ``parts=2``); each rank holds its chunk of every part, concatenated, so a
     local ``chunk(k)`` still separates the parts. DTensor calls this ``_StridedShard``.
+    ``parts=(q, k, v)`` gives the sizes of unequal parts (a GQA ``qkv_proj``: q wider than
+    k and v): each rank holds its chunk of each, concatenated.
+
+    With ``heads=h`` the dim is ``h`` equal heads (key/value heads): on ``n`` ranks that
+    divide ``h`` it is ``Shard(dim)``; on ``n`` a multiple of ``h`` each head is held by a
+    group of ``n // h`` consecutive ranks (KV heads replicated, as Megatron and vLLM do).
+
+    DTensor has no placement for unequal parts nor for replicated heads (``exact_in_torch``):
+    a parameter so laid out is a DTensor ``Shard(dim)`` of the rank-major concatenation of
+    what the ranks hold (unequal parts), or ``(Shard(dim), Replicate())`` on a 2-D view of
+    the mesh, heads by replicas (replicated heads); tpfn's checkpoints read and write its
+    true values.
 
     >>> Shard(0) == Shard(0), hash(Shard(0)) == hash(Shard(0))
     (True, True)
-    >>> Shard(0, parts=2)
-    Shard(dim=0, parts=2)
+    >>> Shard(0, parts=2), Shard(0, parts=(64, 16, 16)).sizes(96)
+    (Shard(dim=0, parts=2), (64, 16, 16))
+    >>> Shard(0, parts=(64, 16, 16)).sizes(100)
+    Traceback (most recent call last):
+    ...
+    ValueError: Shard(dim=0, parts=(64, 16, 16)) packs parts of 64 + 16 + 16 = 96 in dim 0, which has 100.
     """
 
     dim: int = attrs.field(validator=_int)
-    parts: int = attrs.field(default=1, validator=_positive)
+    parts: int | tuple = attrs.field(default=1, validator=_parts)
+    heads: int | None = attrs.field(default=None, validator=_heads, kw_only=True)
+
+    def sizes(self, size) -> tuple:
+        """The sizes of the parts packed in a dim of ``size`` (one part: ``(size,)``)."""
+        if isinstance(self.parts, tuple):
+            if not _symbolic(size) and sum(self.parts) != size:
+                raise ValueError(f"{self!r} packs parts of {' + '.join(map(str, self.parts))} = "
+                                 f"{sum(self.parts)} in dim {self.dim}, which has {size}.")
+            return self.parts
+        if self.parts > 1 and not _symbolic(size) and size % self.parts:
+            raise ValueError(f"{self!r} needs dim {self.dim} to hold {self.parts} equal parts; "
+                             f"it has {size}.")
+        part = size / self.parts if _symbolic(size) else size // self.parts
+        return (part,) * self.parts
+
+    @property
+    def count(self) -> int:
+        """The number of parts packed in the dim."""
+        return len(self.parts) if isinstance(self.parts, tuple) else self.parts
 
     def __repr__(self):
-        return f"Shard(dim={self.dim})" if self.parts == 1 else f"Shard(dim={self.dim}, parts={self.parts})"
+        extra = "" if self.parts == 1 else f", parts={self.parts!r}"
+        extra += "" if self.heads is None else f", heads={self.heads!r}"
+        return f"Shard(dim={self.dim}{extra})"
+
+
+def _symbolic(value) -> bool:
+    return isinstance(value, sympy.Basic)
 
 
 @attrs.frozen(slots=True)
@@ -141,6 +211,17 @@ def as_layout(layout, *, name: str = "layout") -> tuple:
     )
 
 
+def exact_in_torch(layout) -> bool:
+    """Whether DTensor has a placement for every placement of ``layout``: not for unequal
+    parts (``Shard(dim, parts=(q, k, v))``) nor for heads (``Shard(dim, heads=h)``).
+
+    >>> exact_in_torch(Shard(0, parts=2)), exact_in_torch(Shard(0, parts=(4, 2, 2)))
+    (True, False)
+    """
+    return not any(isinstance(p, Shard) and (isinstance(p.parts, tuple) or p.heads is not None)
+                   for p in as_layout(layout))
+
+
 def normalize(layout, ndim: int) -> tuple:
     """The layout with every ``Shard`` dim made non-negative for a tensor of ``ndim`` dims.
 
@@ -159,7 +240,7 @@ def normalize(layout, ndim: int) -> tuple:
                     f"{p!r} does not fit a tensor of {ndim} dims: "
                     f"a shard dim must lie in [{-ndim}, {ndim - 1}]."
                 )
-            p = Shard(p.dim % ndim, p.parts)
+            p = attrs.evolve(p, dim=p.dim % ndim)
         out.append(p)
     return tuple(out)
 
@@ -170,7 +251,9 @@ def _placement_to_torch(p, ndim):
             raise ValueError(f"{p!r} does not fit a tensor of {ndim} dims: a shard dim must lie in "
                              f"[{-ndim}, {ndim - 1}].")
         dim = p.dim if ndim is None else p.dim % ndim
-        return _StridedShard(dim, split_factor=p.parts) if p.parts > 1 else _dt.Shard(dim)
+        if isinstance(p.parts, int) and p.parts > 1:
+            return _StridedShard(dim, split_factor=p.parts)
+        return _dt.Shard(dim)  # unequal parts, heads: the image of each rank's local tensor
     if isinstance(p, Replicate):
         return _dt.Replicate()
     return _dt.Partial(p.op)
@@ -180,12 +263,16 @@ def to_torch(layout: Placement | tuple, ndim: int | None = None) -> tuple:
     """The ``torch.distributed.tensor`` placements of a layout (always a tuple); with ``ndim``,
     shard dims normalized for a tensor of that many dims.
 
+    Unequal parts and heads, which DTensor has no placement for (``exact_in_torch``), map to
+    ``Shard(dim)``: what each rank holds, rank after rank on the 1-D mesh, the image tpfn
+    gives such parameters (it moves no other tensor so laid out).
+
     >>> to_torch(Shard(1))
     (Shard(dim=1),)
     >>> to_torch(Shard(-1), ndim=3)
     (Shard(dim=2),)
-    >>> to_torch(Shard(0, parts=2))
-    (_StridedShard(dim=0, sf=2),)
+    >>> to_torch(Shard(0, parts=2)), to_torch(Shard(0, parts=(4, 2, 2)))
+    ((_StridedShard(dim=0, sf=2),), (Shard(dim=0),))
     >>> type(to_torch(Replicate())[0]).__module__
     'torch.distributed.tensor.placement_types'
     """

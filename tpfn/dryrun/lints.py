@@ -5,10 +5,13 @@ and returns sentences; repeated blocks say it once, with their count.
 
 - ``uneven``: a sharded parameter dim the mesh size does not divide;
 - ``heads``: column-wise projections with fewer heads (or KV heads) than ranks, or a head
-  count the mesh size does not divide;
+  count the mesh size does not divide; KV heads replicated over groups of ranks
+  (``colwise(heads=h)``), explained with the bytes their gradients' sums move;
 - ``head_counts``: a module that holds the global head count of the column-wise projections
-  whose local shards it reshapes (``view(B, T, self.n_head, -1)`` is then silently wrong);
-- ``fused``: a fused q, k, v projection whose parts ``colwise()`` cuts across;
+  whose local shards it reshapes (``view(B, T, self.n_head, -1)`` is then silently wrong),
+  or the query heads per KV head where KV heads are replicated (``num_key_value_groups``);
+- ``fused``: a fused q, k, v projection whose parts ``colwise()`` cuts across (the fix:
+  ``colwise(parts=(q, k, v))``);
 - ``siblings``: parameters left unsharded where a sibling of the same shape shards them;
 - ``failure``: where a dry run failed, with a hint for the usual causes.
 
@@ -34,6 +37,8 @@ HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_q_heads", "
          "num_query_heads")
 KV_HEADS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_kv",
             "num_kv", "n_kv_groups")
+# The query heads per KV head (transformers' num_key_value_groups, Megatron's and vLLM's ratios).
+GROUPS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "num_kv_groups")
 HEAD_SIZES = ("head_dim", "head_size", "attention_head_size", "d_head", "dim_head", "d_k")
 WIDTHS = ("n_embd", "n_embed", "embed_dim", "hidden_size", "d_model", "dim", "all_head_size")
 
@@ -123,44 +128,81 @@ def uneven(rows, world_size: int) -> list:
     return _once(found)
 
 
+def _widths(child: nn.Linear, core) -> tuple:
+    """The output features of each part a colwise() core packs in ``child``."""
+    return Shard(0, core.parts).sizes(child.out_features)
+
+
 def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
-    """``{heads: [child names]}`` of the colwise() projections of an attention module (one
-    with an int ``head_dim``): the heads each projects."""
+    """``{(heads, replicated): [child names]}`` of the colwise() projections of an attention
+    module (one with an int ``head_dim``): the heads each part projects, and whether
+    ``heads=`` replicates them over groups of ranks."""
     head_dim = getattr(sub, "head_dim", None)
     if not isinstance(head_dim, int) or head_dim < 1:
         return {}
     out: dict = {}
     for name, child in sub.named_children():
         core = _colwise(mounts, _join(fqn, name))
-        if core is not None and isinstance(child, nn.Linear) and \
-                (child.out_features // core.parts) % head_dim == 0:
-            out.setdefault(child.out_features // core.parts // head_dim, []).append(name)
+        if core is None or not isinstance(child, nn.Linear):
+            continue
+        for width in dict.fromkeys(_widths(child, core)):
+            if width % head_dim == 0:
+                out.setdefault((width // head_dim, core.heads is not None), []).append(name)
     return out
 
 
 def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
     """Column-wise projections of an attention module whose heads (or KV heads) the ranks
-    cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``.
+    cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``. KV
+    heads that ``colwise(heads=h)`` replicates over groups of ranks are explained instead:
+    each group holds one head, and the gradients of its copies are summed at the end of the
+    backward.
 
     >>> from tpfn.dryrun import fake_mesh
     >>> attention = nn.Module()
     >>> attention.head_dim, attention.q, attention.k = 4, nn.Linear(16, 16), nn.Linear(16, 8)
     >>> _ = tpfn.parallelize(attention, fake_mesh(4), {"q": colwise(), "k": colwise()}, src_rank=None)
     >>> heads(attention, 4, {"q": tpfn.mounted(attention.q), "k": tpfn.mounted(attention.k)})
-    ["'k' of '<root>' (Module) projects 2 heads of 4 features: fewer heads than the 4 ranks, so colwise() cannot give each rank a whole head; use at most 2 ranks for tensor parallelism."]
+    ["'k' of '<root>' (Module) projects 2 heads of 4 features: fewer heads than the 4 ranks, so colwise() cannot give each rank a whole head; use at most 2 ranks for tensor parallelism, or replicate the heads over groups of ranks with colwise(heads=2)."]
+
+    Only key and value heads (fewer than the query heads beside them) are offered
+    ``colwise(heads=h)``: a query head held twice would be summed twice by the output
+    projection.
     """
     found = []
     for fqn, sub in module.named_modules():
-        for n, names in _heads(sub, fqn, mounts).items():
+        counts = _heads(sub, fqn, mounts)
+        most = max((n for n, _ in counts), default=0)  # the query heads, where fewer are KV heads
+        for (n, replicated), names in counts.items():
+            many = len(names) != 1
+            if replicated:
+                if n >= world_size:
+                    continue
+                grads = [p for name in names for p in mounts[_join(fqn, name)].params]
+                numel = sum(sub.get_submodule(name).get_parameter(p).numel()
+                            for name in names for p, _ in mounts[_join(fqn, name)].params)
+                found.append((generalize(fqn) + str(n) + "r", (
+                    f"{', '.join(map(repr, names))} of {describe(sub, fqn)} replicate"
+                    f"{'' if many else 's'} {n} heads of {sub.head_dim} features over "
+                    f"{_ranks(world_size, shown)}: each head is held by a group of "
+                    f"{world_size // n} ranks (colwise(heads={n})), whose copies each see their "
+                    f"own ranks' query heads, so at the end of the backward the gradients of the "
+                    f"{len(grads)} replicated parameter{'s' * (len(grads) != 1)} ({numel // n} "
+                    f"elements per rank) are summed within each group, in one all-reduce.")))
+                continue
             if n < world_size:
+                single = all(_colwise(mounts, _join(fqn, name)).parts == 1 for name in names)
+                fix = (f", or replicate the heads over groups of ranks with colwise(heads={n})"
+                       if world_size % n == 0 and single and n < most else "")
                 problem = (f"fewer heads than {_ranks(world_size, shown)}, so colwise() cannot give "
-                           f"each rank a whole head; use at most {n} ranks for tensor parallelism")
+                           f"each rank a whole head; use at most {n} ranks for tensor "
+                           f"parallelism{fix}")
             elif n % world_size:
                 problem = (f"{_ranks(world_size, shown)} do not divide them, so ranks would hold "
                            f"parts of heads; choose a mesh size that divides {n}")
             else:
                 continue
-            verb = "projects" if len(names) == 1 else "project"
+            verb = "project" if many else "projects"
             found.append((generalize(fqn) + str(n), (
                 f"{', '.join(map(repr, names))} of {describe(sub, fqn)} {verb} {n} heads of "
                 f"{sub.head_dim} features: {problem}.")))
@@ -209,9 +251,10 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
         children = _local_children(sub, fqn, mounts)
         if not children:
             continue
-        widths = {name: child.out_features // core.parts for name, child, core in children}
+        widths = {name: _widths(child, core)[0] for name, child, core in children}
         cores = {name: core for name, _, core in children}
         size = next((v for _, v in _held(sub, HEAD_SIZES)), None)
+        found += _ratios(sub, fqn, world_size, cores, shown)
         for names, kv in ((HEADS, False), (KV_HEADS, True)):
             for attr, value in _held(sub, names):
                 members = _global(sub, fqn, module, attr, value, kv, widths, size)
@@ -222,7 +265,13 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 style = " and ".join(dict.fromkeys(repr(cores[n]) for n in members))
                 start = (f"{describe(sub, fqn)} holds {attr} = {value}, the global {what} of {whose}, "
                          f"whose {style} hand{'s' if len(members) == 1 else ''} on local shards: ")
-                if value % world_size == 0:
+                if value < world_size and all(cores[n].heads is not None for n in members):
+                    problem = (
+                        f"each of {_ranks(world_size, shown)} holds 1 of the {value} heads (each "
+                        f"held by {world_size // value} ranks), so a view by {attr} heads "
+                        f"(view(B, T, self.{attr}, -1)) makes heads of the wrong size, silently; "
+                        "view with -1 heads of the head size.")
+                elif value % world_size == 0:
                     problem = (
                         f"each of {_ranks(world_size, shown)} holds {value // world_size} of the "
                         f"{value} heads, so a view by {attr} heads (view(B, T, self.{attr}, -1)) "
@@ -238,16 +287,47 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
     return _once(found)
 
 
+def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown) -> list:
+    """A module that holds the query heads per KV head (``num_key_value_groups``) of the
+    whole model while its KV heads are replicated over groups of ranks: each rank then holds
+    one KV head and fewer query heads, so the ratio it computes with is smaller."""
+    kv = sorted(name for name, core in cores.items() if core.heads is not None
+                and core.heads < world_size)
+    if not kv:
+        return []
+    h = cores[kv[0]].heads
+    found = []
+    for attr, value in _held(sub, GROUPS):
+        local = value * h // world_size
+        if local == value:
+            continue
+        whose = ", ".join(map(repr, kv))
+        found.append((generalize(fqn) + "." + attr, (
+            f"{describe(sub, fqn)} holds {attr} = {value}, the query heads per KV head of the "
+            f"whole model, but {whose} replicate{'s' if len(kv) == 1 else ''} each of their {h} "
+            f"KV heads over a group of {world_size // h} of {_ranks(world_size, shown)}: each "
+            f"rank computes {local} query head{'s' * (local != 1)} against 1 KV head, so "
+            f"repeating the KV heads by {attr} (transformers' eager attention, or its sdpa with "
+            f"a mask) makes {value} KV heads for {local}; take the ratio from the local shapes "
+            f"(q.shape[1] // k.shape[1]), as transformers' sdpa does without a mask (enable_gqa), "
+            f"or set {attr} = {local} on the parallelized model.")))
+    return found
+
+
 def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
     """Fused q, k, v projections (``out_features == (heads + 2 * kv_heads) * head_dim`` by the
     attributes or the config of their module) whose colwise() cuts across the three parts:
-    contiguous shards of one fused output, or equal parts of unequal (GQA) q, k and v.
+    contiguous shards of one fused output, or parts other than q, k and v (equal parts of a
+    GQA q wider than k and v); ``colwise(parts=(q, k, v))`` gives each rank its slice of each.
 
     >>> attention = nn.Module()
     >>> attention.num_heads, attention.num_key_value_heads, attention.head_dim = 8, 2, 16
     >>> attention.qkv = nn.Linear(128, 192)
     >>> print(tpfn.explain(attention, {"qkv": colwise()}, world_size=2).lints[0])
-    'qkv' of '<root>' (Module) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 contiguous shards of 96 features, across q, k and v, so each rank computes attention on the wrong features, silently; split it into separate q, k and v projections, each colwise(), or gather its output with colwise() >> prepare_out(Replicate()).
+    'qkv' of '<root>' (Module) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 contiguous shards of 96 features, across q, k and v, so each rank computes attention on the wrong features, silently; use colwise(parts=(128, 32, 32)), which gives each rank its slice of q, of k and of v.
+    >>> report = tpfn.explain(attention, {"qkv": colwise(parts=(128, 32, 32))}, world_size=2)
+    >>> [lint for lint in report.lints if "fuses" in lint]
+    []
     """
     if world_size == 1:
         return []
@@ -269,27 +349,23 @@ def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
         if size is None or kv > heads:
             continue
         q, total = heads * size, (heads + 2 * kv) * size
+        right = (q, kv * size, kv * size)
         for name, child, core in children:
-            if child.out_features != total or (kv == heads and core.parts == 3):
+            if child.out_features != total or Shard(0, core.parts).sizes(total) == right:
                 continue
             cut = (f"cuts its output into {world_size} contiguous shards of {total // world_size} "
                    "features, across q, k and v" if core.parts == 1 else
-                   f"cuts it into {core.parts} equal parts of {total // core.parts} features, not "
-                   "q, k and v")
-            if kv < heads:
-                sentence = (
-                    f"{name!r} of {describe(sub, fqn)} fuses q, k and v of unequal sizes ({heads} "
-                    f"heads and {kv} + {kv} KV heads of {size} features: {q} + {kv * size} + "
-                    f"{kv * size} = {total} features), and {core!r} {cut}, so each rank computes "
-                    "attention on the wrong features, silently; split it into separate q, k and v "
-                    "projections, each colwise(), or gather its output with colwise() >> "
-                    "prepare_out(Replicate()).")
-            else:
-                sentence = (
-                    f"{name!r} of {describe(sub, fqn)} fuses q, k and v ({heads} heads of {size} "
-                    f"features each: 3 x {q} = {total} features), and {core!r} {cut}, so each rank "
-                    "computes attention on the wrong features, silently; use colwise(parts=3), "
-                    "which gives each rank its slice of q, of k and of v.")
+                   f"cuts it into parts of {' + '.join(map(str, Shard(0, core.parts).sizes(total)))}"
+                   " features, not q, k and v")
+            what = (f"q, k and v of unequal sizes ({heads} heads and {kv} + {kv} KV heads of "
+                    f"{size} features: {q} + {kv * size} + {kv * size} = {total} features)"
+                    if kv < heads else
+                    f"q, k and v ({heads} heads of {size} features each: 3 x {q} = {total} features)")
+            fix = f"colwise(parts={right!r})" if kv < heads else "colwise(parts=3)"
+            sentence = (
+                f"{name!r} of {describe(sub, fqn)} fuses {what}, and {core!r} {cut}, so each rank "
+                f"computes attention on the wrong features, silently; use {fix}, which gives each "
+                "rank its slice of q, of k and of v.")
             found.append((generalize(fqn) + "." + name, sentence))
     return _once(found)
 
@@ -322,6 +398,8 @@ def siblings(module: nn.Module, rows) -> list:
         for members in groups.values():
             placed = {m: _sharded(module.get_submodule(m), m, by_fqn) for m in members}
             for m in members:
+                if by_fqn[m].style is not None:
+                    continue  # bound in the plan: its style says how it is sharded
                 other = next((o for o in members if any(
                     placed[o][n] is not None and placed[m][n] is None for n in placed[m])), None)
                 if other is None:
@@ -359,7 +437,7 @@ def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
         return None
     expected, got = map(int, counts.groups())
     name, child, core = next((c for c in children if c[2].parts == expected), children[0])
-    out, parts = child.out_features, core.parts
+    out, parts = child.out_features, len(_widths(child, core))
     part = out // (parts if parts > 1 else expected)
     attr = next((f" ({n} = {v})" for n, v in _held(sub, WIDTHS) if v == part), "")
     pieces = f"{got} piece{'s' if got != 1 else ''}"
@@ -447,7 +525,8 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
     sub = module.get_submodule(fqn) if fqn is not None else None
     local = [name for name, _ in sub.named_children() if _colwise(mounts, _join(fqn, name))] \
         if sub is not None else []
-    split = sub is not None and all(n % world_size == 0 for n in _heads(sub, fqn, mounts))
+    split = sub is not None and all(n % world_size == 0 for n, replicated in _heads(sub, fqn, mounts)
+                                    if not replicated)
     sep = " " if message[-1] in ".!?" else ". "
     name, hint = fqn or "<root>", None
     if fqn is not None and "got mixed torch.Tensor and DTensor" in text:

@@ -103,12 +103,16 @@ def _no_renorm(core, module: nn.Embedding, where: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _primitives(row: str, k: int, bias: bool) -> Style:
-    """The composition of primitives a built-in is on a kind (``bias``: the module has one)."""
+def _primitives(row: str, k, bias: bool, heads=None) -> Style:
+    """The composition of primitives a built-in is on a kind (``bias``: the module has one;
+    ``heads``: the output features are that many heads, each replicated over its group of
+    ranks when there are more ranks than heads, its gradient partial within the group)."""
     if row == "colwise_linear":
-        rules = {"weight": Shard(0, k), **({"bias": Shard(0, k)} if bias else {})}
-        return replicate() >> params(**rules) >> on_shards(Replicate(), grads=Partial(),
-                                                           output=Shard(-1, k))
+        out = Shard(0, k, heads=heads)
+        rules = {"weight": out, **({"bias": out} if bias else {})}
+        grads = dict.fromkeys(rules, Partial()) if heads is not None else None
+        return replicate() >> params(**rules) >> on_shards(
+            Replicate(), grads=Partial(), output=Shard(-1, k, heads=heads), param_grads=grads)
     if row == "rowwise_linear":
         rules = {"weight": Shard(1, k), **({"bias": Replicate()} if bias else {})}
         return (replicate() >> params(**rules) >> on_shards(Shard(-1, k), output=Partial())
@@ -120,8 +124,15 @@ def _primitives(row: str, k: int, bias: bool) -> Style:
             >> on_shards(Replicate(), grads=(None,), output=Partial()) >> prepare_out(Replicate()))
 
 
+def _no_heads(core, module, where: str):
+    if core.heads is None:
+        return None
+    return (f"{core!r} at {where}: heads= replicates the key and value heads of a linear "
+            f"projection; {type(module).__name__} has no heads: use colwise().")
+
+
 def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
-    return Meaning(_primitives("colwise_linear", core.parts, module.bias is not None),
+    return Meaning(_primitives("colwise_linear", core.parts, module.bias is not None, core.heads),
                    local=_own_forward(module, nn.Linear), shape=_linear_shape)
 
 
@@ -132,7 +143,7 @@ def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
-    return _no_renorm(core, module, where) or Meaning(
+    return _no_heads(core, module, where) or _no_renorm(core, module, where) or Meaning(
         _primitives("colwise_embedding", core.parts, False),
         local=_own_forward(module, nn.Embedding), shape=_embedding_shape)
 
@@ -140,6 +151,9 @@ def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
 def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
     # DTensor masks padding_idx and counts scale_grad_by_freq over the whole vocabulary.
     plain = module.padding_idx is None and not module.scale_grad_by_freq
+    if core.parts != 1:  # each rank masks the ids outside one contiguous slice of the vocabulary
+        return (f"{core!r} at {where}: the vocabulary of an nn.Embedding is no packed parts; "
+                "use rowwise().")
     return _no_renorm(core, module, where) or Meaning(
         _primitives("rowwise_embedding", core.parts, False),
         local=plain and _own_forward(module, nn.Embedding), vocab=True, shape=_embedding_shape)
@@ -177,15 +191,18 @@ TABLE = {
 }
 
 
-def meaning(core, module: nn.Module, where: str, owned: tuple):
+def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()):
     """The ``Meaning`` of ``core`` on ``module`` (``owned``: the names of the parameters its
     style governs), or a sentence saying why it has none.
 
-    A module kind of the user's own carries its rows as a class attribute, ``tpfn_rows =
-    {"colwise": row, ...}``: each ``row(core, module, where, owned)`` returns a style of
-    primitives (or a ``Meaning``, or a sentence refusing), and comes before the table's.
+    Rows come from, in order: ``kinds``, the plan's own ``((module class, {built-in: row}),
+    ...)`` (``Plan.kind``), the first class the module is an instance of; the class
+    attribute ``tpfn_rows = {"colwise": row, ...}`` of a module kind of the user's own; then
+    ``TABLE``. Each ``row(core, module, where, owned)`` returns a style of primitives (or a
+    ``Meaning``, or a sentence refusing).
     """
-    row = getattr(type(module), "tpfn_rows", {}).get(core.kind)
+    mine = next((rows for kind, rows in kinds if isinstance(module, kind)), {})
+    row = dict(mine).get(core.kind) or getattr(type(module), "tpfn_rows", {}).get(core.kind)
     if row is not None:
         found = row(core, module, where, owned)
         return Meaning(found) if isinstance(found, Style) else found

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, near
 from tpfn.errors import PlanError
-from tpfn.layout import Shard  # noqa: F401  (the doctest's names)
+from tpfn.layout import Shard, exact_in_torch  # noqa: F401  (Shard: the doctest's names)
 from tpfn.plans.kinds import Kernel, meaning
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs
@@ -40,7 +40,7 @@ class Mount:
     (their ``local`` decided), the ``kernel`` that computes on local shards (None: the
     module computes on DTensors), ``forward``'s positional input ``names`` (for inputs passed
     by keyword) and the ``owned`` parameters whose local shards the kernel hands the module:
-    its own and those of submodules no other rule binds."""
+    its own and those of submodules no other rule binds, and the buffers its style places."""
 
     fqn: str
     style: Style
@@ -105,9 +105,9 @@ def _expanded(style: Style, core: Core, primitives: Style, local_shards: bool) -
     return Style(style.stages[:i] + tuple(stages) + style.stages[i + 1:])
 
 
-def _expand(style: Style, core: Core, found: list, module, where: str, own: tuple):
+def _expand(style: Style, core: Core, found: list, module, where: str, own: tuple, kinds: tuple):
     """``style`` with its core written as its row's primitives, and the row's extras."""
-    row = meaning(core, module, where, own)
+    row = meaning(core, module, where, own, kinds)
     if isinstance(row, str):
         found.append(row)
         return None, None
@@ -115,25 +115,28 @@ def _expand(style: Style, core: Core, found: list, module, where: str, own: tupl
                       "shape": row.shape}
 
 
-def try_mount(style: Style, module: nn.Module, fqn: str, bound=()):
-    """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it."""
+def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple = ()):
+    """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it
+    (``kinds``: the plan's own rows per module kind, ``Plan.kinds``)."""
     where = describe(module, fqn)
     found: list = []
     own = owned(module, bound)
     extras = {"random": "fork"}  # an on_shards style draws on shards
     expanded = style
     if isinstance(style.core, Core):
-        expanded, extras = _expand(style, style.core, found, module, where, own)
+        expanded, extras = _expand(style, style.core, found, module, where, own, kinds)
         if expanded is None:
             return found
     n = expanded.normal
     names_here = own if not bound else [name for name, _ in module.named_parameters()]
-    known = set(names_here)
+    buffers = [name for name, _ in module.named_buffers()]
+    known = set(names_here) | set(buffers)
     placements: dict = {}
     for name, placement in n.params:
         if name not in known:
-            found.append(f"{_stage_with(expanded, name)!r} at {where}: no parameter {name!r}; it has "
-                         f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
+            them, what = [*names_here, *buffers], "parameter or buffer" if buffers else "parameter"
+            found.append(f"{_stage_with(expanded, name)!r} at {where}: no {what} {name!r}; it has "
+                         f"{', '.join(them) or 'none'}{near(name, them)}.")
             continue
         placements[name] = placement
     if n.rest is not None:
@@ -154,6 +157,7 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=()):
     outputs = attrs.evolve(n.outputs, local=default_out if n.outputs.local is None else n.outputs.local)
     inputs = attrs.evolve(inputs, local=bool(inputs.local))
 
+    found.extend(_beyond_dtensor(style, where, placements, kernel, inputs, outputs))
     names, named, star = forward_names(module)
     touched = [i for i, s in enumerate(inputs.slots) if not s.untouched]
     if touched and not star and touched[-1] >= len(names):
@@ -166,8 +170,40 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=()):
                          f"{type(module).__name__}.forward has no such input{near(name, named)}.")
     if found:
         return found
+    placed_buffers = tuple(name for name in placements if name in buffers)
     return Mount(fqn, style, tuple(sorted(placements.items())), inputs, outputs, kernel, names,
-                 own if kernel is not None else (), where)
+                 own + placed_buffers if kernel is not None else (), where)
+
+
+def _beyond_dtensor(style: Style, where: str, placements: dict, kernel, inputs, outputs) -> list:
+    """Where DTensor would meet a layout it has no placement for (unequal parts, replicated
+    heads): a module that computes on DTensors, a slot that moves a tensor into or out of
+    one, an output handed on as a DTensor."""
+    odd = sorted(n for n, p in placements.items() if not exact_in_torch(p))
+    found = []
+    if odd and kernel is None:
+        found.append(f"{style!r} at {where}: {', '.join(map(repr, odd))} "
+                     f"{'is' if len(odd) == 1 else 'are'} laid out {placements[odd[0]]!r}, which "
+                     "DTensor has no placement for, but the module computes on DTensors (its "
+                     "forward is not the kind's own); shard it with on_shards(...), which hands "
+                     "it local shards, or split the projection.")
+    slots = [*(("input", i, s) for i, s in enumerate(inputs.slots)),
+             *(("output", i, s) for i, s in enumerate(outputs.slots))]
+    for side, i, slot in slots:
+        ends = [p for p in (slot.given, slot.desired) if p is not None]
+        bad = next((p for p in ends if not exact_in_torch(p)), None)
+        if bad is None:
+            continue
+        if len(ends) == 2 and slot.given != slot.desired:
+            found.append(f"{style!r} at {where} moves {side} {i} from {slot.given!r} to "
+                         f"{slot.desired!r}: tpfn moves no tensor into or out of {bad!r}, which "
+                         "DTensor has no placement for; hand the local shards on as the projection "
+                         "makes them (a rowwise(parts=...) with the same parts takes them).")
+        elif side == "output" and not outputs.local:
+            found.append(f"{style!r} at {where} hands output {i} on as a DTensor laid out "
+                         f"{bad!r}, which DTensor has no placement for; hand it on as a local "
+                         "tensor (local=True).")
+    return found
 
 
 def _stage_with(style: Style, name: str):
@@ -175,16 +211,17 @@ def _stage_with(style: Style, name: str):
     return next(s for s in style.stages if name in dict(getattr(s, "rules", ())))
 
 
-def problems(style: Style, module: nn.Module, fqn: str = "", *, bound=()) -> list:
+def problems(style: Style, module: nn.Module, fqn: str = "", *, bound=(), kinds: tuple = ()) -> list:
     """Every reason ``style`` cannot apply to ``module`` (empty when it can)."""
-    folded = try_mount(style, module, fqn, bound)
+    folded = try_mount(style, module, fqn, bound, kinds)
     return folded if isinstance(folded, list) else []
 
 
-def mount(style: Style, module: nn.Module, fqn: str = "", *, bound=()) -> Mount:
+def mount(style: Style, module: nn.Module, fqn: str = "", *, bound=(), kinds: tuple = ()) -> Mount:
     """The ``Mount`` of ``style`` on ``module`` (``bound``: the relative names of submodules
-    bound to styles of their own); a ``PlanError`` lists every problem."""
-    folded = try_mount(style, module, fqn, bound)
+    bound to styles of their own; ``kinds``: the plan's rows per module kind); a
+    ``PlanError`` lists every problem."""
+    folded = try_mount(style, module, fqn, bound, kinds)
     if isinstance(folded, list):
         raise PlanError(folded)
     return folded

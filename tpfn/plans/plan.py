@@ -26,6 +26,18 @@ plan({
 >>> p.without("layers.*.attention.wo")
 plan({'layers.*.attention.wq': colwise()})
 
+A plan also carries what the built-ins mean on module kinds of the user's own, without
+subclassing and without a registry: ``p.kind(MyLinear, colwise=row)`` (or ``plan(...,
+kinds={MyLinear: {"colwise": row}})``), where ``row(core, module, where, owned)`` returns a
+style of primitives (``tpfn.plans.kinds``). Its rows come before the class's own
+``tpfn_rows`` and the built-in table, for this plan only.
+
+>>> def gated(core, module, where, owned):
+...     return params(w=Shard(0, parts=2)) >> on_shards(Replicate(), grads=Partial(),
+...                                                     output=Shard(-1, parts=2))
+>>> plan({"mlp.up": colwise()}).kind(nn.Linear, colwise=gated)
+plan({'mlp.up': colwise()}, kinds={Linear: {'colwise': gated}})
+
 ``resolve(plan, module)`` returns what ``parallelize`` mounts, a ``Mount`` per bound module
 in module order, or raises one ``PlanError`` that lists every pattern matching nothing (with
 near misses), every module bound to two styles and every style its module cannot take.
@@ -40,7 +52,10 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join, matches, near
 from tpfn.errors import PlanError
+from tpfn.layout import Partial, Replicate, Shard  # noqa: F401  (the doctest's names)
 from tpfn.plans.mount import try_mount
+from tpfn.style.constructors import on_shards, params  # noqa: F401  (the doctest's names)
+from tpfn.style.stages import CORES
 from tpfn.style.style import Style
 
 __all__ = ["Plan", "plan", "as_plan", "resolve"]
@@ -99,20 +114,72 @@ def _merge(rules, fix: str = "") -> tuple:
     return tuple(sorted(merged.items()))
 
 
+def _name(value) -> str:
+    return getattr(value, "__qualname__", None) or repr(value)
+
+
+def _kinds(mapping, where: str = "plan kinds") -> tuple:
+    """``((module class, ((built-in, row), ...)), ...)`` from ``{class: {built-in: row}}``,
+    each checked: a module class, built-in names, callable rows."""
+    if isinstance(mapping, tuple):
+        return mapping
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{where} must be a dict of module class -> {{built-in: row}}, e.g. "
+                        f"{{MyLinear: {{'colwise': row}}}} (got {mapping!r} that is a {type(mapping)!r}).")
+    out = []
+    for kind, rows in mapping.items():
+        if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
+            raise TypeError(
+                f"{where}: a rule is for a module class (a subclass of nn.Module), e.g. "
+                f"{{nn.MultiheadAttention: {{'colwise': row}}}}; got {kind!r} that is a "
+                f"{type(kind)!r}{'' if not isinstance(kind, nn.Module) else ': pass its class, ' + type(kind).__name__}.")
+        if not isinstance(rows, dict) or not rows:
+            raise TypeError(f"{where}[{kind.__name__}] must be a dict of built-in -> row, e.g. "
+                            f"{{'colwise': row}} (got {rows!r}).")
+        for core, row in rows.items():
+            if core not in CORES:
+                raise ValueError(f"{where}[{kind.__name__}]: {core!r} is no built-in; rows are for "
+                                 f"{', '.join(map(repr, CORES))}.")
+            if not callable(row):
+                raise TypeError(f"{where}[{kind.__name__}][{core!r}] must be a function (core, "
+                                f"module, where, owned) -> style (got {row!r} that is a {type(row)!r}).")
+        out.append((kind, tuple(sorted(rows.items()))))
+    return tuple(out)
+
+
+def _merge_kinds(a: tuple, b: tuple, conflicts: list | None) -> tuple:
+    """The kinds of ``a``, then ``b``'s; a (class, built-in) with two rows is a conflict (or,
+    with ``conflicts`` None, ``b``'s row replaces ``a``'s)."""
+    merged = {kind: dict(rows) for kind, rows in a}
+    for kind, rows in b:
+        mine = merged.setdefault(kind, {})
+        for core, row in rows:
+            if conflicts is not None and mine.get(core, row) is not row:
+                conflicts.append(f"{kind.__name__} has two rows for {core}(): {_name(mine[core])} "
+                                 f"and {_name(row)}; keep one, or replace it: plan.kind("
+                                 f"{kind.__name__}, {core}={_name(row)})")
+            mine[core] = row
+    return tuple((kind, tuple(sorted(rows.items()))) for kind, rows in merged.items())
+
+
 @attrs.frozen(repr=False)
 class Plan:
-    """FQN pattern -> style, sorted by pattern; equal by value, hashable."""
+    """FQN pattern -> style, sorted by pattern; equal by value, hashable. ``kinds``: what the
+    built-ins mean on module kinds of the user's own, for this plan (``kind``)."""
 
     rules: tuple = ()
+    kinds: tuple = attrs.field(default=(), converter=_kinds)
 
     def __or__(self, other) -> "Plan":
         """Both plans' rules; a pattern bound to two different styles is an error (to
-        replace a rule, ``override`` it)."""
-        return Plan(_merge(self.rules + as_plan(other).rules, _OVERRIDE))
+        replace a rule, ``override`` it), and so is a module kind given two rows."""
+        other = as_plan(other)
+        return _joined(self, other, self.rules + other.rules)
 
     def __ror__(self, other) -> "Plan":
         """``{pattern: style} | plan(...)``: the dict's rules, then the plan's."""
-        return Plan(_merge(as_plan(other).rules + self.rules, _OVERRIDE))
+        other = as_plan(other)
+        return _joined(other, self, other.rules + self.rules)
 
     def override(self, rules) -> "Plan":
         """This plan with ``rules`` (a plan, a dict as ``plan`` takes, or a style for the
@@ -125,7 +192,20 @@ class Plan:
         >>> plan({"w1": colwise(), "w2": rowwise()}).override({"w2": colwise(), "w3": rowwise()})
         plan({'w1': colwise(), 'w2': colwise(), 'w3': rowwise()})
         """
-        return Plan(tuple(sorted({**dict(self.rules), **dict(as_plan(rules).rules)}.items())))
+        other = as_plan(rules)
+        return Plan(tuple(sorted({**dict(self.rules), **dict(other.rules)}.items())),
+                    _merge_kinds(self.kinds, other.kinds, None))
+
+    def kind(self, kind: type, **rows) -> "Plan":
+        """This plan with ``rows`` (built-in name -> ``row(core, module, where, owned)``)
+        saying what the built-ins mean on ``kind``, a module class, and its subclasses;
+        they replace the plan's earlier rows for the same built-ins.
+
+        >>> class QuantLinear(nn.Module): ...
+        >>> plan({"proj": colwise()}).kind(QuantLinear, colwise=print).kinds[0][0] is QuantLinear
+        True
+        """
+        return Plan(self.rules, _merge_kinds(self.kinds, _kinds({kind: rows}, "plan.kind"), None))
 
     def without(self, *patterns: str) -> "Plan":
         """This plan less the rules of ``patterns`` (each exactly as the plan has it); a
@@ -145,29 +225,68 @@ class Plan:
             called = ", ".join(map(repr, patterns))
             raise ValueError(f"plan.without({called}): {said}; give each pattern exactly as the "
                              "plan has it (print(plan) lists them).")
-        return Plan(tuple((p, s) for p, s in self.rules if p not in patterns))
+        return Plan(tuple((p, s) for p, s in self.rules if p not in patterns), self.kinds)
 
     def under(self, prefix: str) -> "Plan":
         """This plan nested under ``prefix``: ``plan({"w1": s}).under("mlp") == plan({"mlp.w1": s})``."""
         return plan({_check_pattern(prefix): self})
 
     def __repr__(self):
-        line = f"plan({dict(self.rules)!r})"
+        kinds = ""
+        if self.kinds:
+            kinds = ", kinds={" + ", ".join(
+                f"{_name(kind)}: {{" + ", ".join(f"{core!r}: {_name(row)}" for core, row in rows) + "}"
+                for kind, rows in self.kinds) + "}"
+        line = f"plan({dict(self.rules)!r}{kinds})"
         if len(line) <= WIDTH:
             return line
-        return "plan({\n" + "".join(f"    {p!r}: {s!r},\n" for p, s in self.rules) + "})"
+        return "plan({\n" + "".join(f"    {p!r}: {s!r},\n" for p, s in self.rules) + "}" + kinds + ")"
+
+
+def _joined(a: Plan, b: Plan, rules) -> Plan:
+    conflicts: list = []
+    kinds = _merge_kinds(a.kinds, b.kinds, conflicts)
+    try:
+        merged = _merge(rules, _OVERRIDE)
+    except PlanError as e:
+        conflicts = e.problems + conflicts
+    if conflicts:
+        raise PlanError(conflicts)
+    return Plan(merged, kinds)
 
 
 _OVERRIDE = "; bind it once, or override it: plan.override({rule})"
 
 
-def plan(mapping: dict | Plan | None = None) -> Plan:
-    """The plan of ``mapping`` (pattern -> style or nested plan/dict).
+def _nested_kinds(mapping) -> tuple:
+    """The kinds of every plan nested in ``mapping``, merged (a conflict is an error)."""
+    if isinstance(mapping, Plan):
+        return mapping.kinds
+    kinds, conflicts = (), []
+    for value in (mapping.values() if isinstance(mapping, dict) else ()):
+        kinds = _merge_kinds(kinds, _nested_kinds(value), conflicts)
+    if conflicts:
+        raise PlanError(conflicts)
+    return kinds
+
+
+def plan(mapping: dict | Plan | None = None, *, kinds: dict | None = None) -> Plan:
+    """The plan of ``mapping`` (pattern -> style or nested plan/dict), with ``kinds``: module
+    class -> ``{built-in: row}``, what the built-ins mean on module kinds of one's own.
 
     >>> plan({"mlp": {"w1": colwise(), "w2": rowwise()}})
     plan({'mlp.w1': colwise(), 'mlp.w2': rowwise()})
+    >>> plan({"w1": colwise()}, kinds={"Linear": {"colwise": print}})
+    Traceback (most recent call last):
+    ...
+    TypeError: plan kinds: a rule is for a module class (a subclass of nn.Module), e.g. {nn.MultiheadAttention: {'colwise': row}}; got 'Linear' that is a <class 'str'>.
     """
-    return Plan(_merge(_flatten(mapping or {})))
+    mapping = mapping or {}
+    conflicts: list = []
+    merged = _merge_kinds(_nested_kinds(mapping), _kinds(kinds or {}), conflicts)
+    if conflicts:
+        raise PlanError(conflicts)
+    return Plan(_merge(_flatten(mapping)), merged)
 
 
 def as_plan(value) -> Plan:
@@ -200,7 +319,8 @@ def _prefixed(rules, modules: dict, found: list) -> list:
 def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
     """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
     one ``PlanError`` listing every problem."""
-    rules = as_plan(plan_like).rules
+    resolved = as_plan(plan_like)
+    rules = resolved.rules
     modules = dict(module.named_modules())
     found, bound = [], {}
     for pattern, style in rules:
@@ -232,7 +352,7 @@ def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
             found.append(f"{describe(modules[fqn], fqn)} is bound to {len(styles)} styles ({by}); "
                          "bind it once, e.g. by combining them with >> or narrowing a pattern.")
             continue
-        mount = try_mount(styles[0], modules[fqn], fqn, below.get(fqn, ()))
+        mount = try_mount(styles[0], modules[fqn], fqn, below.get(fqn, ()), resolved.kinds)
         if isinstance(mount, list):
             found.extend(mount)
         else:

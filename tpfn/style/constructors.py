@@ -39,13 +39,38 @@ def _local(local):
     return flag("'local'", local)
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _parts(parts):
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+    if isinstance(parts, list):
+        parts = tuple(parts)
+    if isinstance(parts, tuple) and len(parts) > 1 and all(map(_count, parts)):
+        return parts
+    if isinstance(parts, tuple):
+        raise TypeError(f"'parts' must be a positive int (equal parts) or a tuple of two or more "
+                        f"positive part sizes, e.g. parts=(64, 16, 16) (got {parts!r}).")
+    if not _count(parts):
         raise TypeError(f"'parts' must be a positive int (got {parts!r} that is a {type(parts)!r}).")
     return parts
 
 
-def colwise(*, parts: int = 1, local: bool | None = None) -> Style:
+def _heads(heads, parts):
+    if heads is None:
+        return None
+    if not _count(heads):
+        raise TypeError(f"'heads' must be a positive int, the number of heads the output features "
+                        f"are (got {heads!r} that is a {type(heads)!r}).")
+    if parts != 1:
+        raise TypeError(f"colwise(parts={parts!r}, heads={heads!r}): 'heads' replicates the heads "
+                        "of one projection, 'parts' packs several; give one (split a fused q, k, "
+                        "v into projections to replicate k and v).")
+    return heads
+
+
+def colwise(*, parts: int | tuple = 1, heads: int | None = None,
+            local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (its output features).
 
     - ``nn.Linear``: ``weight`` and ``bias`` become ``Shard(0)`` (output features).
@@ -55,19 +80,29 @@ def colwise(*, parts: int = 1, local: bool | None = None) -> Style:
     - Output 0 is ``Shard(-1)``, handed on as a local tensor (``local=False``: a DTensor).
     - ``parts=k``: the output features pack ``k`` equal parts (a fused gate and up
       projection): each rank gets its slice of every part, ``Shard(0, parts=k)``, and its
-      local output still ``chunk(k)``-s into the parts.
+      local output still ``chunk(k)``-s into the parts. ``parts=(q, k, v)``: parts of those
+      sizes (a GQA ``qkv_proj``, q wider than k and v): each rank gets its slice of each,
+      and its local output splits by the local sizes (``q // n``, ``k // n``, ``v // n``).
+    - ``heads=h``: the output features are ``h`` heads (key or value heads). Over ranks
+      that divide ``h`` this is ``colwise()``; over a multiple of ``h`` each head is held by
+      a group of ``n // h`` consecutive ranks (KV heads replicated, as Megatron and vLLM
+      do), ``Shard(0, heads=h)``, and the weight's gradient is summed within each group at
+      the end of the backward (each copy sees only its own ranks' query heads).
 
     Same as PyTorch's ``ColwiseParallel()``.
 
     >>> colwise()
     colwise()
+    >>> colwise(parts=(64, 16, 16)), colwise(heads=8)
+    (colwise(parts=(64, 16, 16)), colwise(heads=8))
     >>> prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate())
     prepare_in(Shard(dim=1)) >> colwise() >> prepare_out(Replicate())
     """
-    return Style((Core("colwise", parts=_parts(parts), local=_local(local)),))
+    parts = _parts(parts)
+    return Style((Core("colwise", parts=parts, local=_local(local), heads=_heads(heads, parts)),))
 
 
-def rowwise(*, parts: int = 1, local: bool | None = None) -> Style:
+def rowwise(*, parts: int | tuple = 1, local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (its input features / vocabulary).
 
     - ``nn.Linear``: ``weight`` becomes ``Shard(1)`` (input features), ``bias`` ``Replicate()``.
@@ -78,7 +113,8 @@ def rowwise(*, parts: int = 1, local: bool | None = None) -> Style:
       ``Replicate()`` by an all-reduce (``>> prepare_out(Shard(1))``: one reduce-scatter),
       handed on as a local tensor (``local=False``: a DTensor).
     - ``parts=k``: the input features pack ``k`` equal parts; ``weight`` becomes
-      ``Shard(1, parts=k)`` and input 0 is wanted ``Shard(-1, parts=k)``.
+      ``Shard(1, parts=k)`` and input 0 is wanted ``Shard(-1, parts=k)``; ``parts=(a, b)``:
+      parts of those sizes, as a ``colwise(parts=(a, b))`` before it hands them on.
 
     Same as PyTorch's ``RowwiseParallel()`` (with replicated ids for embeddings).
 
@@ -167,15 +203,20 @@ def replicate() -> Style:
 
 
 def params(**rules: Shard | Replicate) -> Style:
-    """Place the named parameters (dotted names reach into submodules); nothing else changes.
+    """Place the named parameters and buffers (dotted names reach into submodules); nothing
+    else changes.
 
     For modules no built-in style knows: the module then computes on DTensors, so give it
-    DTensor inputs (``prepare_in(..., local=False)``, the default) and prepare its outputs.
+    DTensor inputs (``prepare_in(..., local=False)``, the default) and prepare its outputs;
+    or, followed by ``on_shards(...)``, on the local shards of both. A placed buffer is a
+    DTensor buffer (not a parameter): saved and loaded with its layout, never trained.
 
     >>> params(w1=Shard(0), w2=Shard(1))
     params(w1=Shard(dim=0), w2=Shard(dim=1))
     >>> params(**{"experts.w1": Shard(0)})
     params(**{'experts.w1': Shard(dim=0)})
+    >>> params(weight=Shard(0), scale=Shard(0))      # scale: a buffer of per-row scales
+    params(scale=Shard(dim=0), weight=Shard(dim=0))
     """
     for name, placement in rules.items():
         if not isinstance(placement, (Shard, Replicate)):

@@ -20,7 +20,7 @@ def _shard_compatible(a, b) -> bool:
     if a == b:
         return True
     return (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
-            and (a.dim < 0) != (b.dim < 0))
+            and a.heads == b.heads and (a.dim < 0) != (b.dim < 0))
 
 
 @attrs.frozen(cache_hash=True)

@@ -7,8 +7,8 @@
 - ``OnShards``: the module computes on local tensors in the layouts given (``on_shards``);
 - ``Params``: parameter placements by name (``params``, ``replicate``).
 
->>> Core("colwise", parts=2)
-colwise(parts=2)
+>>> Core("colwise", parts=2), Core("colwise", parts=(64, 16, 16)), Core("colwise", heads=8)
+(colwise(parts=2), colwise(parts=(64, 16, 16)), colwise(heads=8))
 >>> Core("bogus")
 Traceback (most recent call last):
 ...
@@ -67,8 +67,10 @@ _slots = _valid(lambda v: isinstance(v, tuple) and all(isinstance(x, Slot) for x
 _named = _valid(_pairs(lambda x: isinstance(x, Slot)), "a tuple of (name, Slot) pairs")
 _rules = _valid(_pairs(is_placement), "a tuple of (name, placement) pairs")
 _int = _valid(lambda v: isinstance(v, int) and not isinstance(v, bool), repr(int))
-_positive = _valid(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                   "a positive int")
+_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+_parts = _valid(lambda v: _count(v) or (isinstance(v, tuple) and len(v) > 1 and all(map(_count, v))),
+                "a positive int or a tuple of two or more positive ints")
+_heads = _valid(lambda v: v is None or _count(v), "None or a positive int")
 
 
 def _kind(instance, attribute, value):
@@ -128,13 +130,16 @@ class Core:
 
     kind: str = attrs.field(validator=_kind)
     dim: int = attrs.field(default=1, validator=_int)
-    parts: int = attrs.field(default=1, validator=_positive)
+    parts: int | tuple = attrs.field(default=1, validator=_parts)
     local: object = attrs.field(default=None, validator=_local)
+    heads: int | None = attrs.field(default=None, validator=_heads)
 
     def __repr__(self):
         args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
         if self.parts != 1:
-            args.append(f"parts={self.parts}")
+            args.append(f"parts={self.parts!r}")
+        if self.heads is not None:
+            args.append(f"heads={self.heads!r}")
         if self.local is not None:
             args.append(f"local={self.local!r}")
         return f"{self.kind}({', '.join(args)})"
@@ -143,7 +148,7 @@ class Core:
     def outputs(self) -> tuple:
         """The layout the core's computation gives (independent of the module kind)."""
         return ({
-            "colwise": Slot(Shard(-1, self.parts)),
+            "colwise": Slot(Shard(-1, self.parts, heads=self.heads)),
             "rowwise": Slot(Partial(), Replicate()),
             "sequence_parallel": Slot(Shard(self.dim)),
         }[self.kind],)

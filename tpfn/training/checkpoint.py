@@ -4,13 +4,15 @@ Each rank writes the shards it holds; the checkpoint records every tensor's glob
 and layout, so it loads into a model parallelized over another number of ranks, or into a
 plain module in one process (DCP reshards on load). Optimizer state travels with the model.
 
-A packed shard (``Shard(dim, parts=k)``, a fused gate and up projection) is stored as its
-``k`` parts, each an ordinary shard. Any layout loads into any other, exactly: a tensor
-stored as parts loads part by part into views of a packed, replicated, otherwise sharded or
-plain tensor; where no such view exists (parts loaded into a ``Shard(dim)`` without the
-packing, a whole tensor loaded into a packed one) each rank reads the full tensor into a
-temporary buffer and copies its shard out of it. Parts that do not make the model's tensor
-are refused by name.
+A packed shard (``Shard(dim, parts=k)``, a fused gate and up projection; ``parts=(q, k,
+v)``, a GQA ``qkv_proj``) is stored as its parts, each an ordinary shard. Any layout loads
+into any other, exactly: a tensor stored as parts loads part by part into views of a
+tensor packed the same way, replicated, otherwise sharded or plain; where no such view
+exists (parts loaded into a ``Shard(dim)`` without the packing or packed otherwise, a whole
+tensor loaded into a packed one) each rank reads the full tensor into a temporary buffer
+and copies its shard out of it. Parts that do not make the model's tensor are refused by
+name. KV heads replicated over groups of ranks (``Shard(dim, heads=h)``) are DTensors on a
+2-D view of the mesh, which DCP reads and writes as they are.
 
 A save is atomic: it writes ``PATH.partial`` and only a finished write replaces ``PATH``
 (the old one is kept as ``PATH.previous`` until the swap completes), so a save interrupted
@@ -40,6 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tpfn._torch import StridedShard
 from tpfn.algebra import contiguous_strides
+from tpfn.interpret.layouts import full_value, layouts
+from tpfn.interpret.prepare import local_value, placed_tensor
+from tpfn.layout import Shard as _Shard
 
 __all__ = ["save", "load", "full_state_dict"]
 
@@ -60,26 +65,33 @@ def _states(model, optimizer) -> dict:
     return {"model": model_state, "optim": optim_state}
 
 
-def _packing(value):
-    """(dim, parts) of a DTensor packed over a 1-D mesh, else None."""
-    if isinstance(value, DTensor) and len(value.placements) == 1:
-        p = value.placements[0]
-        if isinstance(p, StridedShard):
-            return p.dim % value.ndim, p.split_factor
+def _packing(value, layout):
+    """(dim, part sizes) of a DTensor packed over a 1-D mesh (``layout``: its tpfn layout,
+    for unequal parts, which DTensor does not describe), else None."""
+    if not isinstance(value, DTensor) or len(value.placements) != 1:
+        return None
+    p = value.placements[0]
+    if isinstance(layout, _Shard) and isinstance(layout.parts, tuple):
+        return layout.dim % value.ndim, layout.parts
+    if isinstance(p, StridedShard):
+        dim = p.dim % value.ndim
+        return dim, (value.shape[dim] // p.split_factor,) * p.split_factor
     return None
 
 
-def _part_views(value, dim: int, parts: int) -> dict:
-    """The ``parts`` parts of a packed DTensor or a plain tensor, as views, by their key."""
+def _part_views(value, dim: int, sizes: tuple) -> dict:
+    """The parts (of ``sizes`` along ``dim``) of a packed DTensor or a plain tensor, as
+    views, by their key."""
     if isinstance(value, DTensor):
-        shape = list(value.shape)
-        shape[dim] //= parts
-        chunks = value.to_local().tensor_split(parts, dim)
-        views = [DTensor.from_local(c, value.device_mesh, [Shard(dim)], run_check=False,
-                                    shape=torch.Size(shape), stride=contiguous_strides(shape))
-                 for c in chunks]
+        n = value.device_mesh.size()
+        views = []
+        for size, chunk in zip(sizes, value.to_local().split([s // n for s in sizes], dim)):
+            shape = list(value.shape)
+            shape[dim] = size
+            views.append(DTensor.from_local(chunk, value.device_mesh, [Shard(dim)], run_check=False,
+                                            shape=torch.Size(shape), stride=contiguous_strides(shape)))
     else:
-        views = value.chunk(parts, dim)
+        views = value.split(list(sizes), dim)
     return _keyed(views, dim)
 
 
@@ -93,11 +105,21 @@ def _whole_along(value, dim: int) -> bool:
                for p in value.placements)
 
 
-def _as_saved(tree):
+def _layout_at(path: tuple, placed: dict):
+    """The tpfn layout of the tensor at ``path`` in the state: a parameter's, or that of the
+    parameter whose optimizer state it is."""
+    if len(path) == 2 and path[0] == "model":
+        return placed.get(path[1])
+    if len(path) == 4 and path[:2] == ("optim", "state"):
+        return placed.get(path[2])
+    return None
+
+
+def _as_saved(tree, placed: dict, path: tuple = ()):
     """The state with every packed DTensor replaced by its parts."""
     if isinstance(tree, dict):
-        return {k: _as_saved(v) for k, v in tree.items()}
-    packing = _packing(tree)
+        return {k: _as_saved(v, placed, path + (k,)) for k, v in tree.items()}
+    packing = _packing(tree, _layout_at(path, placed))
     return _part_views(tree, *packing) if packing else tree
 
 
@@ -128,17 +150,18 @@ def _stored_parts(key: str, index: dict):
     return dim, parts, sizes
 
 
-def _as_stored(tree, metadata: dict, index: dict, prefix: str, later: list):
+def _as_stored(tree, metadata: dict, index: dict, later: list, placed: dict, path: tuple = ()):
     """The state shaped as the checkpoint stores it: parts where it stored parts, the tensor
     whole where it stored it whole. Where the model's layout cannot be viewed that way (a
     tensor stored as parts of dim ``d``, loaded sharded along ``d`` without that packing;
     one stored whole, loaded packed), a full buffer is read instead and ``later`` copies
     this rank's shard of it into the tensor."""
     if isinstance(tree, dict):
-        return {k: _as_stored(v, metadata, index, f"{prefix}{k}.", later) for k, v in tree.items()}
+        return {k: _as_stored(v, metadata, index, later, placed, path + (k,))
+                for k, v in tree.items()}
     if not isinstance(tree, torch.Tensor):
         return tree
-    key = prefix[:-1]
+    key, layout = ".".join(path), _layout_at(path, placed)
     stored = _stored_parts(key, index)
     if stored:
         dim, parts, sizes = stored
@@ -150,34 +173,39 @@ def _as_stored(tree, metadata: dict, index: dict, prefix: str, later: list):
                 f"the checkpoint holds {key!r} as {parts} parts of shapes "
                 f"{[tuple(s) for s in sizes]} (along dim {dim}), which do not make the model's "
                 f"{tuple(shape)}: load it into a model of the architecture that saved it.")
+        along = tuple(s[dim] for s in sizes)
         if not isinstance(tree, DTensor):
-            return _keyed(tree.split([s[dim] for s in sizes], dim), dim)
-        if _packing(tree) == (dim, parts) and len(set(s[dim] for s in sizes)) == 1:
-            return _part_views(tree, dim, parts)
+            return _keyed(tree.split(list(along), dim), dim)
+        if _packing(tree, layout) == (dim, along):
+            return _part_views(tree, dim, along)
         if _whole_along(tree, dim):  # replicated, or sharded along another dim
-            local = tree.to_local().split([s[dim] for s in sizes], dim)
+            local = tree.to_local().split(list(along), dim)
             return _keyed([DTensor.from_local(c, tree.device_mesh, tree.placements,
                                               run_check=False, shape=torch.Size(s),
                                               stride=contiguous_strides(list(s)))
                            for c, s in zip(local, sizes)], dim)
-        buffer = _buffer(tree, later)
-        return _keyed(buffer.split([s[dim] for s in sizes], dim), dim)
-    if _packing(tree) and key in metadata:
-        return _buffer(tree, later)
+        buffer = _buffer(tree, later, layout)
+        return _keyed(buffer.split(list(along), dim), dim)
+    if _packing(tree, layout) and key in metadata:
+        return _buffer(tree, later, layout)
     return tree
 
 
-def _buffer(tree, later: list) -> torch.Tensor:
+def _buffer(tree, later: list, layout) -> torch.Tensor:
     buffer = torch.empty(tree.shape, dtype=tree.dtype, device=tree.to_local().device)
-    later.append((tree, buffer))
+    later.append((tree, buffer, layout))
     return buffer
 
 
-def _copy_shard(target, buffer) -> None:
-    """Copy this rank's shard of the full ``buffer`` into the DTensor ``target`` (no
-    communication: every rank holds the whole buffer)."""
-    mine = distribute_tensor(buffer, target.device_mesh, target.placements, src_data_rank=None)
-    target.to_local().copy_(mine.to_local())
+def _copy_shard(target, buffer, layout) -> None:
+    """Copy this rank's shard of the full ``buffer`` into the DTensor ``target`` laid out
+    ``layout`` (no communication: every rank holds the whole buffer)."""
+    if isinstance(layout, _Shard) and isinstance(layout.parts, tuple):
+        mine = local_value(buffer, layout, target.device_mesh)
+    else:
+        mine = distribute_tensor(buffer, target.device_mesh, target.placements,
+                                 src_data_rank=None).to_local()
+    target.to_local().copy_(mine)
 
 
 def save(path, model, optimizer=None) -> None:
@@ -195,7 +223,7 @@ def save(path, model, optimizer=None) -> None:
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     _barrier()
-    dcp.save(_as_saved(_states(model, optimizer)), checkpoint_id=partial)
+    dcp.save(_as_saved(_states(model, optimizer), layouts(model)), checkpoint_id=partial)
     _barrier()
     if _rank() == 0:
         if os.path.exists(path):
@@ -221,9 +249,10 @@ def load(path, model, optimizer=None) -> None:
     states = _states(model, optimizer)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     later: list = []
-    dcp.load(_as_stored(states, metadata, _parts_index(metadata), "", later), checkpoint_id=path)
-    for target, buffer in later:  # stored in another packing than the model's
-        _copy_shard(target, buffer)
+    dcp.load(_as_stored(states, metadata, _parts_index(metadata), later, layouts(model)),
+             checkpoint_id=path)
+    for target, buffer, layout in later:  # stored in another packing than the model's
+        _copy_shard(target, buffer, layout)
     if optimizer is None:
         set_model_state_dict(model, states["model"])
     else:
@@ -232,13 +261,18 @@ def load(path, model, optimizer=None) -> None:
 
 
 def full_state_dict(model, *, cpu: bool = True) -> dict:
-    """A copy of the model's state with every DTensor gathered to its full value, on every rank.
+    """A copy of the model's state with every DTensor gathered to its full value, on every rank
+    (unequal packed parts put back in their places).
 
     >>> import torch.nn as nn
     >>> sorted(full_state_dict(nn.Linear(2, 3)))
     ['bias', 'weight']
     """
+    placed = layouts(model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     device = "cpu" if cpu else None
+    for name, layout in placed.items():
+        if name in state and isinstance(layout, _Shard) and isinstance(layout.parts, tuple):
+            state[name] = full_value(placed_tensor(model, name), layout)
     return {k: v.detach().to(device, copy=True) if isinstance(v, torch.Tensor) else v
             for k, v in state.items()}

@@ -5,8 +5,9 @@ DTensors over a 1-D mesh, usually still on the meta device) from a Hugging Face 
 directory: one ``model.safetensors``, or shards named by ``model.safetensors.index.json``.
 Each rank reads, through ``safetensors.safe_open(...).get_slice``, only the part of each
 tensor it holds: its ``torch.chunk`` range of dim ``d`` for ``Shard(d)``; its chunk of every
-part for a packed ``Shard(d, parts=k)`` (``colwise(parts=2)``); the whole tensor for
-``Replicate()`` and for plain tensors. Values are converted to the parameter's dtype (or
+part for a packed ``Shard(d, parts=k)`` (``colwise(parts=2)``) or ``parts=(q, k, v)``; its
+group's heads for KV heads replicated over more ranks than heads (``colwise(heads=h)``); the
+whole tensor for ``Replicate()`` and for plain tensors. Values are converted to the parameter's dtype (or
 ``dtype=``) on the way in.
 
 Parameters are filled in place (``torch.utils.swap_tensors``, as ``Module.to_empty`` does):
@@ -44,11 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from tpfn._torch import StridedShard, in_a_graph, local_tensor, swap_in_place
-from tpfn.algebra import chunk_bounds
+from tpfn._torch import in_a_graph, local_tensor, swap_in_place
+from tpfn.algebra import contiguous_strides, shard_ranges
 from tpfn.errors import CheckpointError
+from tpfn.interpret.layouts import full_value, layouts
+from tpfn.layout import Partial, from_torch
+from tpfn.layout import Shard as _Shard
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
 
@@ -188,6 +192,7 @@ class _Checkpoint:
 class _Target:
     def __init__(self, tensor, kind: str):
         self.tensor, self.kind = tensor, kind
+        self.layout = None  # the tpfn layout a plan gave it (None: as its placements say)
         self.names: list = []
         self.slots: list = []  # (module, attribute name)
         self.persistent = False
@@ -200,6 +205,7 @@ class _Target:
 
 def _targets(model: nn.Module) -> list:
     found: dict = {}
+    placed = layouts(model)
     for prefix, module in model.named_modules(remove_duplicate=False):
         for table, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
             for name, t in table.items():
@@ -207,6 +213,7 @@ def _targets(model: nn.Module) -> list:
                     continue
                 target = found.setdefault(id(t), _Target(t, kind))
                 full = f"{prefix}.{name}" if prefix else name
+                target.layout = placed.get(full, target.layout)
                 if full not in target.names:
                     target.names.append(full)
                 if not any(m is module and n == name for m, n in target.slots):
@@ -317,8 +324,8 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
             continue
         file = ckpt.where[sources[0][0]]
         if isinstance(t, DTensor):
-            placement = t.placements[0] if t.device_mesh.ndim == 1 else None
-            if placement is None or placement.is_partial():
+            placement = _layout(target)
+            if placement is None or isinstance(placement, Partial):
                 problems.append(
                     f"{target.kind} {target.names[0]!r} ({key!r} in {file}) is laid out "
                     f"{t.placements} on a {t.device_mesh.ndim}-D mesh; load_pretrained fills "
@@ -419,36 +426,15 @@ def _unswappable(target) -> str | None:
 # reading this rank's slice
 
 
-def _ranges(size: int, placement, rank: int, n: int) -> list:
-    """This rank's ``[start, stop)`` ranges of a dim of ``size``, in the order it holds them."""
-    if isinstance(placement, StridedShard):  # each rank: its chunk of every part
-        part = size // placement.split_factor
-        chunk = part // n
-        return [(i * part + rank * chunk, i * part + (rank + 1) * chunk)
-                for i in range(placement.split_factor)]
-    start, length = chunk_bounds(size, n, rank)  # torch.chunk's, as DTensor's Shard
-    return [(start, start + length)]
-
-
-def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
+def _layout(target: _Target):
+    """The tpfn placement of a target on the 1-D tensor-parallel mesh (None: a DTensor on
+    another mesh, which load_pretrained does not fill), or None for a plain tensor."""
     t = target.tensor
-    placement = t.placements[0] if isinstance(t, DTensor) else None
-    if isinstance(placement, (StridedShard, Shard)):  # _StridedShard's is_shard() is False
-        mesh = t.device_mesh
-        dim = placement.dim % t.ndim
-        piece, pieces = handle.get_slice(key), []
-        for start, stop in _ranges(t.shape[dim], placement, mesh.get_local_rank(), mesh.size()):
-            if stop <= start:
-                shape = list(t.shape)
-                shape[dim] = 0
-                pieces.append(torch.empty(shape, dtype=_DTYPES[piece.get_dtype()]))
-            else:
-                pieces.append(piece[tuple(slice(start, stop) if d == dim else slice(None)
-                                          for d in range(t.ndim))])
-        value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-    else:  # Replicate(), or a plain tensor: whole
-        value = handle.get_tensor(key)
-    return _placed(value, key, target, dtype)
+    if target.layout is not None:
+        return target.layout
+    if isinstance(t, DTensor) and t.device_mesh.ndim == 1:
+        return from_torch(t.placements)[0]
+    return None
 
 
 def _dim_ranges(target: _Target) -> list:
@@ -456,12 +442,34 @@ def _dim_ranges(target: _Target) -> list:
     holds them (the whole dim where it is not sharded)."""
     t = target.tensor
     ranges = [[(0, size)] for size in t.shape]
-    placement = t.placements[0] if isinstance(t, DTensor) else None
-    if isinstance(placement, (StridedShard, Shard)):
-        mesh = t.device_mesh
+    placement = _layout(target) if isinstance(t, DTensor) else None
+    if isinstance(placement, _Shard):
+        mesh = t.device_mesh  # a view of the tensor-parallel mesh: ranks numbered row by row
+        rank = sum(c * s for c, s in zip(mesh.get_coordinate(), contiguous_strides(mesh.shape)))
         dim = placement.dim % t.ndim
-        ranges[dim] = _ranges(t.shape[dim], placement, mesh.get_local_rank(), mesh.size())
+        ranges[dim] = [(start, start + size) for start, size in
+                       shard_ranges(t.shape[dim], placement, mesh.size(), rank)]
     return ranges
+
+
+def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
+    t = target.tensor
+    piece = handle.get_slice(key)
+    ranges = _dim_ranges(target)
+    sharded = [d for d, r in enumerate(ranges) if r != [(0, t.shape[d])]]
+    if not sharded:  # Replicate(), or a plain tensor: whole
+        return _placed(handle.get_tensor(key), key, target, dtype)
+    dim, pieces = sharded[0], []
+    for start, stop in ranges[dim]:
+        if stop <= start:
+            shape = list(t.shape)
+            shape[dim] = 0
+            pieces.append(torch.empty(shape, dtype=_DTYPES[piece.get_dtype()]))
+        else:
+            pieces.append(piece[tuple(slice(start, stop) if d == dim else slice(None)
+                                      for d in range(t.ndim))])
+    value = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    return _placed(value, key, target, dtype)
 
 
 def _read_experts(handle, experts: _Experts, target: _Target, dtype) -> torch.Tensor:
@@ -632,10 +640,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     from safetensors.torch import save_file
 
     limit = _bytes(max_shard_size)
-    entries = []
+    entries, layout = [], {}
     for target in _targets(model):
         if not target.persistent:
             continue
+        layout[id(target.tensor)] = target.layout
         if target.meta:
             raise ValueError(f"{target.kind} {target.names[0]!r} is on the meta device: there is "
                              "nothing to save; load the model's weights first.")
@@ -662,7 +671,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
         for name, shard in zip(names, shards):
             tensors = {}
             for key, t, _ in shard:
-                full = t.full_tensor() if isinstance(t, DTensor) else t
+                full = full_value(t, layout[id(t)])
                 if writer:
                     tensors[key] = full.detach().to("cpu", copy=True).contiguous()
                     weight_map[key] = name
