@@ -6,7 +6,9 @@ On 2 gloo ranks, the same model as ``benchmarks.step_time``, tpfn's recommended 
 ``benchmarks.handwritten``:
 
 1. phases, unprofiled: forward, backward, optimizer step of each variant, medians of
-   interleaved steps (rank 0's clock; both ranks run the same collectives);
+   interleaved steps (rank 0's clock; both ranks run the same collectives); ``--cpu`` reads
+   the process's CPU time instead of the wall clock, which a loaded machine disturbs less
+   (it counts work, gloo's threads included, and leaves out the waits);
 2. the optimizer step alone, on one rank's parameters, interleaved: Adam over the DTensor
    parameters against Adam over plain tensors of the same local shapes (gradients set once),
    for-loop, foreach and fused;
@@ -35,8 +37,8 @@ GROUPS = (  # (label, predicate on (file, line, function)); first match wins; se
      lambda f, n: f.endswith("tpfn/interpret/prepare.py")),
     ("param views: local_params, _view, _View and _BiasOnce fwd/bwd (moves.py)",
      lambda f, n: f.endswith("tpfn/interpret/moves.py") and n in ("local_params", "_view")),
-    ("moves: move, _Move, _specs, _redistribute, placements (moves.py)",
-     lambda f, n: f.endswith("tpfn/interpret/moves.py")),
+    ("moves: move, _Move, _Step, _steps, placements (moves.py, collectives.py)",
+     lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/interpret/collectives.py"))),
     ("shape memory: Shapes, recall, TENSOR_SHAPES (state.py, _torch.py)",
      lambda f, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith(("flush", "_accum")))
      or (f.endswith("tpfn/_torch.py") and "Weak" in n) or f.endswith("weakref.py")),
@@ -94,21 +96,24 @@ def _build(model_name: str, sp: bool):
     return {"tpfn": tp, "hand-written": hand}
 
 
+CLOCK = [time.perf_counter]
+
+
 def _phased_step(model, opt, tokens, target, clock: dict | None):
     from torch.distributed.tensor.experimental import implicit_replication
 
     finish = getattr(model, "finish_backward", None)
-    t0 = time.perf_counter()
+    t0 = CLOCK[0]()
     opt.zero_grad(set_to_none=True)
     loss = step_time._loss(model, tokens, target)
-    t1 = time.perf_counter()
+    t1 = CLOCK[0]()
     loss.backward()
     if finish is not None:
         finish()
-    t2 = time.perf_counter()
+    t2 = CLOCK[0]()
     with implicit_replication():
         opt.step()
-    t3 = time.perf_counter()
+    t3 = CLOCK[0]()
     if clock is not None:
         clock["forward"].append(t1 - t0)
         clock["backward"].append(t2 - t1)
@@ -116,7 +121,8 @@ def _phased_step(model, opt, tokens, target, clock: dict | None):
         clock["step"].append(t3 - t0)
 
 
-def _profile(model_name: str, sp: bool, steps: int) -> dict:
+def _profile(model_name: str, sp: bool, steps: int, cpu: bool = False) -> dict:
+    CLOCK[0] = time.process_time if cpu else time.perf_counter
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -147,7 +153,9 @@ def _profile(model_name: str, sp: bool, steps: int) -> dict:
     variants = {}
     for how in ("for-loop", "foreach", "fused"):
         kw = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[how]
-        for kind, ps in (("DTensor", params), ("plain", plain)):
+        split = [{"params": [p for p in params if isinstance(p, DTensor)]},
+                 {"params": [p for p in params if not isinstance(p, DTensor)]}]
+        for kind, ps in (("DTensor", params), ("DTensor, 2 groups", split), ("plain", plain)):
             try:
                 opt = torch.optim.Adam(ps, lr=1e-4, **kw)
                 opt.step()
@@ -203,10 +211,12 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="reference", choices=("reference", "llama"))
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true", help="phases in CPU time, not wall time")
     args = parser.parse_args()
     with Ranks(2) as ranks:
-        result = ranks.run(_profile, args.model, args.sp, args.steps, timeout=900)[0]
-    print(f"== {args.model}, sp {'on' if args.sp else 'off'}: phases, us per step (median of "
+        result = ranks.run(_profile, args.model, args.sp, args.steps, args.cpu, timeout=900)[0]
+    print(f"== {args.model}, sp {'on' if args.sp else 'off'}: phases, "
+          f"{'CPU' if args.cpu else 'wall'} us per step (median of "
           f"{args.steps}, rank 0)")
     names = list(result["phases"])
     print(f"{'phase':<12}" + "".join(f"{n:>16}" for n in names) + f"{'tpfn - hand':>16}")

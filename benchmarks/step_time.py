@@ -13,6 +13,7 @@ The ratio of median step times is what to read.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -75,7 +76,16 @@ def _llama(sp: bool):
                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             layer + "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         })
-        recommended = tpfn.from_torch(native)  # already shares one input per attention and MLP
+        # The same, with one local replica shared by q, k, v (and by gate, up): their partial
+        # input gradients are summed, then reduced once, without DTensors in between.
+        shared = {
+            layer + "self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+            layer + "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                              use_local_output=True),
+        }
+        recommended = tpfn.from_torch({**native, **shared})
     else:
         recommended = None  # from_hf(model.tp_plan, model), built with the model
     return build, native, recommended
@@ -91,7 +101,17 @@ def _loss(model, tokens, target):
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def _steps(model_name: str, sp: bool, steps: int) -> dict:
+def _optimizer(model, fused: bool):
+    """Adam: the default single-tensor loop, or fused over ``tpfn.param_groups`` (DTensor and
+    plain parameters apart, as fused Adam needs)."""
+    import tpfn
+
+    if fused:
+        return torch.optim.Adam(tpfn.param_groups(model), lr=1e-4, fused=True)
+    return torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -118,8 +138,8 @@ def _steps(model_name: str, sp: bool, steps: int) -> dict:
     models["compute alone"] = hand(build(), Comm(real=False), sp)
     assert list(models) == list(VARIANTS)
     one = build()  # one device: the whole model on every rank, not timed
-    optimizers = {k: torch.optim.Adam(v.parameters(), lr=1e-4) for k, v in models.items()}
-    one_opt = torch.optim.Adam(one.parameters(), lr=1e-4)
+    optimizers = {k: _optimizer(v, fused) for k, v in models.items()}
+    one_opt = _optimizer(one, fused)
     gen = torch.Generator().manual_seed(0)
     times: dict = {k: [] for k in models}
     losses: dict = {k: [] for k in (*models, "one device")}
@@ -166,40 +186,41 @@ def run(quick: bool = False) -> Table:
     from tests.ranks import Ranks
 
     table = Table("step_time", "Step time (forward, backward, Adam), 2 gloo ranks",
-                  ["model", "sequence parallel", "native ms", "tpfn same plan ms",
+                  ["model", "sequence parallel", "Adam", "native ms", "tpfn same plan ms",
                    "tpfn recommended ms", "hand-written ms", "compute alone ms",
                    "same / native", "recommended / native", "tpfn / hand-written",
                    "tpfn / compute"])
     steps = 5 if quick else 20
     spreads = []
     with Ranks(2) as ranks:
-        for model in ("reference", "llama"):
-            for sp in (False, True):
-                result = ranks.run(_steps, model, sp, steps, timeout=900)[0]
-                native, same, best, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
-                label = f"{model}, sp {'on' if sp else 'off'}"
-                losses = result["losses"]
-                hand_gap = _gap(losses["hand-written"], losses["one device"])
-                if not hand_gap <= TOLERANCE:
-                    raise AssertionError(
-                        f"{label}: the hand-written baseline's loss differs from one device's by "
-                        f"{hand_gap:.1e} (relative, worst of {len(losses['one device'])} steps; "
-                        f"allowed {TOLERANCE:.0e}): hand-written {losses['hand-written']}, "
-                        f"one device {losses['one device']}")
-                table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
-                          "on" if sp else "off", native, same, best, hand, compute,
-                          same / native, best / native, best / hand, best / compute)
-                gap = _gap(losses["tpfn, same plan"], losses["native"])
-                table.target(f"{label}: tpfn/native <= 1.00 "
-                             f"(losses agree to {gap:.0e})", best / native <= 1.0)
-                table.target(f"{label}: tpfn / hand-written <= 1.05 (hand-written loss = one "
-                             f"device's to {hand_gap:.0e}; tpfn's to "
-                             f"{_gap(losses['tpfn, recommended plan'], losses['one device']):.0e})",
-                             best / hand <= 1.05)
-                t = result["times"]
-                pairs = [a / b for a, b in zip(t["tpfn, recommended plan"], t["hand-written"])]
-                lo, hi = _quartiles(pairs)
-                spreads.append(f"{label} {lo:.2f}-{hi:.2f}")
+        for model, sp, fused in itertools.product(("reference", "llama"), (False, True),
+                                                  (False, True)):
+            result = ranks.run(_steps, model, sp, steps, fused, timeout=900)[0]
+            native, same, best, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
+            label = f"{model}, sp {'on' if sp else 'off'}, {'fused' if fused else 'loop'} Adam"
+            losses = result["losses"]
+            hand_gap = _gap(losses["hand-written"], losses["one device"])
+            if not hand_gap <= TOLERANCE:
+                raise AssertionError(
+                    f"{label}: the hand-written baseline's loss differs from one device's by "
+                    f"{hand_gap:.1e} (relative, worst of {len(losses['one device'])} steps; "
+                    f"allowed {TOLERANCE:.0e}): hand-written {losses['hand-written']}, "
+                    f"one device {losses['one device']}")
+            table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
+                      "on" if sp else "off", "fused" if fused else "loop", native, same, best,
+                      hand, compute,
+                      same / native, best / native, best / hand, best / compute)
+            gap = _gap(losses["tpfn, same plan"], losses["native"])
+            table.target(f"{label}: tpfn/native <= 1.00 "
+                         f"(losses agree to {gap:.0e})", best / native <= 1.0)
+            table.target(f"{label}: tpfn / hand-written <= 1.05 (hand-written loss = one "
+                         f"device's to {hand_gap:.0e}; tpfn's to "
+                         f"{_gap(losses['tpfn, recommended plan'], losses['one device']):.0e})",
+                         best / hand <= 1.05)
+            t = result["times"]
+            pairs = [a / b for a, b in zip(t["tpfn, recommended plan"], t["hand-written"])]
+            lo, hi = _quartiles(pairs)
+            spreads.append(f"{label} {lo:.2f}-{hi:.2f}")
     table.notes.append("dim 256, 4 layers, 8 heads, vocab 2048, batch 8 x 64 tokens; medians of "
                        f"{steps} steps per variant, stepped in turn")
     table.notes.append("tpfn = the recommended plan; hand-written = benchmarks/handwritten.py (plain "

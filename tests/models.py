@@ -69,7 +69,7 @@ def transformer_plan(sp: bool, minimal: bool = True) -> dict:
         return {
             "tok_embeddings": rowwise(),
             "pos_embeddings": rowwise(),
-            **({"layers.*.attention": prepare_in(Replicate())} if minimal else {}),
+            **({"layers.*.attention": prepare_in(Replicate(), local=True)} if minimal else {}),
             "layers.*.attention.w[qkv]": colwise(),
             "layers.*.attention.wo": rowwise(),
             "layers.*.feed_forward.w1": colwise(),
@@ -79,10 +79,10 @@ def transformer_plan(sp: bool, minimal: bool = True) -> dict:
     return {
         "tok_embeddings": rowwise() >> prepare_out(Shard(1)),
         "pos_embeddings": rowwise() >> prepare_out(Shard(0)),
-        "norm": sequence_parallel(),
-        "layers.*.attention_norm": sequence_parallel(),
-        "layers.*.ffn_norm": sequence_parallel(),
-        "layers.*.attention": prepare_in(Shard(1), desired=Replicate()),
+        "norm": sequence_parallel(local=True),
+        "layers.*.attention_norm": sequence_parallel(local=True),
+        "layers.*.ffn_norm": sequence_parallel(local=True),
+        "layers.*.attention": prepare_in(Shard(1), desired=Replicate(), local=True),
         "layers.*.attention.w[qkv]": colwise(),
         "layers.*.attention.wo": rowwise() >> prepare_out(Shard(1)),
         "layers.*.feed_forward.w1": prepare_in(Shard(1)) >> colwise(),

@@ -177,7 +177,7 @@ def test_a_long_plan_reads_as_a_list_and_a_short_one_stays_on_one_line():
                            ">> prepare_out(Shard(dim=1))})")
     assert repr(plan({})) == "plan({})"
     assert repr(plan(transformer_plan(sp=False))) == """plan({
-    'layers.*.attention': prepare_in(Replicate()),
+    'layers.*.attention': prepare_in(Replicate(), local=True),
     'layers.*.attention.w[qkv]': colwise(),
     'layers.*.attention.wo': rowwise(),
     'layers.*.feed_forward.w1': colwise(),

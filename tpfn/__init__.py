@@ -31,6 +31,7 @@ from tpfn.style.constructors import (
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.loss import cross_entropy
+from tpfn.training.optim import param_groups
 from tpfn.training.pretrained import (
     empty_weights, from_pretrained, load_pretrained, save_pretrained,
 )
@@ -46,7 +47,7 @@ __all__ = [
     "prepare_in", "prepare_out", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
-    "cross_entropy", "clip_grad_norm_",
+    "cross_entropy", "clip_grad_norm_", "param_groups",
     "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError",
     "from_hf",
     "explain", "Report", "verify",

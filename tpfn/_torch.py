@@ -24,8 +24,23 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
     "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "swap_in_place",
-    "in_a_graph", "local_tensor", "spec_of", "keep_mesh",
+    "in_a_graph", "local_tensor", "spec_of", "keep_mesh", "next_sequence_nr",
 ]
+
+
+def _start_autograd_without_fake_devices() -> None:
+    """Start autograd's engine now, on a CUDA build on a machine without a GPU (the default
+    PyPI wheels of torch 2.14.1 for Linux x86_64 are such builds; a CPU build needs nothing).
+    DTensor's sharding propagation enters FakeTensorMode, which registers a fake CUDA device
+    guard of 8 devices; an engine started after that runs a thread per fake device and then
+    refuses to run in a forked child ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing"), which is what ``tpfn.verify``'s ranks are. Started
+    before, it runs on the CPU only, as on a CPU build; once started it stays as it is."""
+    if torch.backends.cuda.is_built() and torch.cuda.device_count() == 0:
+        torch.zeros((), requires_grad=True).backward()
+
+
+_start_autograd_without_fake_devices()
 
 
 # Modules that combine positions (batch statistics, groups of channels, windows): computed on a
@@ -38,6 +53,11 @@ MIXING = (batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, pooling._MaxP
 def queue_callback(fn) -> None:
     """Run ``fn`` when the running backward ends."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def next_sequence_nr() -> int:
+    """The sequence number autograd gives the next node made on this thread (none is made)."""
+    return torch._C._autograd._get_sequence_nr()
 
 
 def local_tensor(dt):
@@ -103,3 +123,62 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
         old._backward_hooks = hooks
     if post:
         old._post_accumulate_grad_hooks = post
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """The ranks' ``x`` into ``out`` (rank-major) on ``group``, any group (registered or not)."""
+    group._allgather_base(out, x).wait()
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """This rank's chunk of the ranks' summed ``x`` (rank-major) into ``out`` on ``group``."""
+    group._reduce_scatter_base(out, x).wait()
+
+
+def heads_mesh(mesh, heads: int):
+    """A 2-D view of the 1-D ``mesh``: ``heads`` groups of consecutive ranks, dim 0 across
+    the groups and dim 1 within one (``DeviceMesh._unflatten``; an unnamed mesh of the
+    whole world is viewed anew). Its process groups are made, a collective of every rank.
+    A mesh of no default group (a dry run's fake one, ``tpfn.verify``'s private gloo one)
+    gets groups of its own kind, made from its group's store, registered by name."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n, names, group = mesh.size(), mesh.mesh_dim_names, mesh.get_group()
+    replicas = n // heads
+    fake = isinstance(group._get_backend(torch.device("cpu")), FakeProcessGroup)
+    if not fake and dist.is_initialized():
+        if names:
+            return mesh._unflatten(0, (heads, replicas), (f"{names[0]}_heads", f"{names[0]}_replicas"))
+        return DeviceMesh(mesh.device_type, mesh.mesh.view(heads, replicas),
+                          mesh_dim_names=("heads", "replicas"))
+    rank, store = mesh.get_coordinate()[0], group.get_group_store()
+    callers = 1 if fake else n  # a fake mesh is rank 0's alone
+    epoch = (store.add("tpfn/heads-views", 1) - 1) // callers  # this view's number, alike on all ranks
+    base = f"{names[0]}-heads{heads}-{epoch}"
+    grid = torch.arange(n).view(heads, replicas)
+    view = DeviceMesh("cpu", grid, mesh_dim_names=(base, base + "-replicas"), _init_backend=False,
+                      _rank=rank)
+    view._dim_group_names = []
+    row, column = divmod(rank, replicas)
+    for name, members in zip(view.mesh_dim_names, (grid[:, column], grid[row])):
+        size, mine = len(members), int((members == rank).nonzero())
+        prefix = f"tpfn/heads-views/{epoch}/{name == base}/{members.tolist()}"
+        sub = ProcessGroup(dist.PrefixStore(prefix, store), mine, size)
+        backend = FakeProcessGroup._create_internal(mine, size) if fake else dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix + "/gloo", store), mine, size, datetime.timedelta(seconds=300))
+        sub._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM if fake
+                              else ProcessGroup.BackendType.GLOO, backend)
+        sub._set_group_name(f"{name}-{members.tolist()}")
+        register_process_group(sub.group_name, sub)
+        view._dim_group_names.append(sub.group_name)
+        view._pg_registry[sub.group_name] = sub
+    return view
+
+
+from torch.nn.modules._functions import BackwardHookFunction as _BackwardHookFunction  # noqa: E402
+
+HookIdentity = _BackwardHookFunction._backward_cls
+"""The autograd node of the identity that module backward hooks wrap inputs and outputs in."""

@@ -24,14 +24,16 @@ from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
 from tpfn._torch import (
-    DTensorSpec, TensorMeta, assert_async, local_tensor, redistribute_local_tensor, spec_of,
+    DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, redistribute_local_tensor,
+    spec_of,
 )
-from tpfn.algebra import chunk_bounds, contiguous_strides, transition
+from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
-from tpfn.layout import from_torch, to_torch
+from tpfn.interpret.collectives import step as plain_step
+from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
-__all__ = ["move", "placements", "failed", "collective", "param_slots", "local_params", "vocab_mask",
-           "dropout_slice"]
+__all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
+           "local_params", "vocab_mask", "dropout_slice"]
 
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
@@ -82,32 +84,43 @@ def _first_order(what: str) -> None:
             "penalty) on a model that is not parallelized, or leave the module out of the plan.")
 
 
-def _redistribute(x: torch.Tensor, src_spec, dst_spec, what: str) -> torch.Tensor:
-    """``redistribute_local_tensor``, with a failed collective named after the slot it served."""
-    try:
-        return redistribute_local_tensor(x, src_spec, dst_spec)
-    except RuntimeError as error:
-        src, dst = from_torch(src_spec.placements), from_torch(dst_spec.placements)
-        raise failed(what, src, dst, error, src_spec.mesh) from error
+class _Step:
+    """One move of a local tensor between torch placements: a plain collective where one
+    does it (``tpfn.interpret.collectives``), else DTensor's ``redistribute_local_tensor``;
+    a failed collective is named after the slot it served."""
+
+    __slots__ = ("plain", "specs")
+
+    def __init__(self, mesh, src, dst, shape: tuple, dtype):
+        self.plain = plain_step(src, dst, mesh, shape)
+        self.specs = (_spec(mesh, src, shape, dtype), _spec(mesh, dst, shape, dtype))
+
+    def __call__(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        try:
+            if self.plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
+                return self.plain(x)
+            return redistribute_local_tensor(x.contiguous(), *self.specs)
+        except RuntimeError as error:
+            src, dst = (from_torch(spec.placements) for spec in self.specs)
+            raise failed(what, src, dst, error, self.specs[0].mesh) from error
 
 
 class _Move(torch.autograd.Function):
     """One transition forward, its dual backward, on local tensors."""
 
     @staticmethod
-    def forward(ctx, x, forward_specs, backward_specs, what):
-        ctx.backward_specs, ctx.what = backward_specs, what
-        if forward_specs is None:
+    def forward(ctx, x, forward, backward, what):
+        ctx.backward, ctx.what = backward, what
+        if forward is None:
             return x.view_as(x)
-        return _redistribute(x, *forward_specs, what)
+        return forward(x, what)
 
     @staticmethod
     def backward(ctx, grad):
         _first_order(ctx.what)
-        if ctx.backward_specs is None:
+        if ctx.backward is None:
             return grad, None, None, None
-        moved = _redistribute(grad.contiguous(), *ctx.backward_specs, f"the gradient of {ctx.what}")
-        return moved, None, None, None
+        return ctx.backward(grad, f"the gradient of {ctx.what}"), None, None, None
 
 
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
@@ -116,40 +129,132 @@ def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, (placement,), tensor_meta=meta)
 
 
-def _specs(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
-    """(forward specs, backward specs) of a move, each None where nothing moves."""
+def _steps(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
+    """(forward step, backward step) of a move, each None where nothing moves."""
     if mesh.size() == 1:  # one rank: every layout is the whole tensor
         return None, None
     ndim = len(global_shape)
     src, dst = placements(src, ndim)[0], placements(dst, ndim)[0]
     back = None if grad is None else placements(grad, ndim)[0]
     target = _dt.Replicate() if src.is_partial() else src
-    forward = None if src == dst else (
-        _spec(mesh, src, global_shape, dtype), _spec(mesh, dst, global_shape, dtype))
-    backward = None if back is None or back == target else (
-        _spec(mesh, back, global_shape, dtype), _spec(mesh, target, global_shape, dtype))
+    forward = None if src == dst else _Step(mesh, src, dst, global_shape, dtype)
+    backward = None if back is None or back == target else \
+        _Step(mesh, back, target, global_shape, dtype)
     return forward, backward
+
+
+class _Share(torch.autograd.Function):
+    """A local input that several modules of one parent read (Megatron's f, shared by q, k
+    and v): forward, the parent slot's move; backward, the partial gradients its column-wise
+    readers handed in (``_Contribute``) summed, moved once, plus the whole gradient of every
+    other reader. Entries of another backward (a graph backwarded twice) are never mixed in."""
+
+    @staticmethod
+    def forward(ctx, x, forward, partial_back, whole_back, what, mesh):
+        ctx.set_materialize_grads(False)
+        ctx.partial_back, ctx.whole_back, ctx.what = partial_back, whole_back, what
+        ctx.mesh, ctx.inbox = mesh, {}
+        return x.view_as(x) if forward is None else forward(x, what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _first_order(ctx.what)
+        summed = ctx.inbox.pop(torch._C._current_graph_task_id(), None)
+        total = None
+        if summed is not None:
+            back = ctx.partial_back
+            total = summed if back is None else back(summed, f"the gradient of {ctx.what}")
+        if grad is not None:
+            back = ctx.whole_back
+            whole = grad if back is None else back(grad, f"the gradient of {ctx.what}")
+            total = whole if total is None else total + whole
+        return total, None, None, None, None, None
+
+
+class _Contribute(torch.autograd.Function):
+    """A column-wise reader of a shared input: its partial gradient goes to the input's
+    inbox, to be reduced once with the other readers' (see ``_Share``)."""
+
+    @staticmethod
+    def forward(ctx, x, inbox):
+        ctx.inbox = inbox
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        task, inbox = torch._C._current_graph_task_id(), ctx.inbox
+        inbox[task] = grad if task not in inbox else inbox[task] + grad
+        return None, None
+
+
+_REPLICA, _PARTIAL = Replicate(), Partial()  # made once: compiled code cannot build them
+
+
+def _sharer(x: torch.Tensor, mesh):
+    """The ``_Share`` node on ``mesh`` whose output ``x`` is (through module hooks' identity
+    wrappers), or None."""
+    node, index = x.grad_fn, x.output_nr
+    while isinstance(node, HookIdentity):  # outputs and inputs correspond one to one
+        node, index = node.next_functions[index]
+    if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
+        return node
+    return None
+
+
+def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str,
+                     cache: dict) -> torch.Tensor:
+    """Local ``x`` (laid out ``src``) replicated, for several modules to read: the partial
+    gradients of the column-wise ones are summed before one move back to ``src`` (one
+    all-reduce for q, k and v, where each would otherwise send its own)."""
+    shape = tuple(global_shape)
+    if torch.compiler.is_compiling() or mesh.size() == 1:
+        return move(x, src, _REPLICA, _REPLICA, mesh, shape, what, cache)
+    key = ("share", src, shape, x.dtype)
+    steps = cache.get(key)
+    if steps is None:
+        target = cotangent(src)
+        forward, _ = _steps(mesh, src, _REPLICA, None, shape, x.dtype)
+        partial_back, _ = _steps(mesh, _PARTIAL, target, None, shape, x.dtype)
+        whole_back, _ = _steps(mesh, _REPLICA, target, None, shape, x.dtype)
+        steps = cache[key] = (forward, partial_back, whole_back)
+    forward, partial_back, whole_back = steps
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return forward(x, what) if forward else x
+    return _Share.apply(x, forward, partial_back, whole_back, what, mesh)
+
+
+def _partial_to_replica(src, grad, ndim: int) -> bool:
+    """Whether a slot's only move is its gradient's partial sums to a replica."""
+    if grad is None:
+        return False
+    src, grad = placements(src, ndim)[0], placements(grad, ndim)[0]
+    return src.is_replicate() and grad.is_partial() and grad.reduce_op == "sum"
 
 
 def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, cache: dict):
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
     (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
-    errors; ``cache`` keeps the specs of moves on ``mesh`` seen before."""
+    errors; ``cache`` keeps the specs of moves on ``mesh`` seen before. A replica shared by
+    several readers (``replicate_shared``) takes a partial gradient and reduces it once."""
     shape = tuple(global_shape)
     if torch.compiler.is_compiling():
         return _traced_move(x, src, dst, grad, mesh, shape)
     key = (src, dst, grad, shape, x.dtype)
-    specs = cache.get(key)
-    if specs is None:
-        specs = cache[key] = _specs(mesh, src, dst, grad, shape, x.dtype)
-    forward_specs, backward_specs = specs
+    steps = cache.get(key)
+    if steps is None:
+        steps = cache[key] = _steps(mesh, src, dst, grad, shape, x.dtype)
+    forward, backward = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return _redistribute(x, *forward_specs, what) if forward_specs else x
-    if forward_specs is None and backward_specs is None:
+        return forward(x, what) if forward else x
+    if forward is None and backward is not None and _partial_to_replica(src, grad, x.ndim):
+        node = _sharer(x, mesh)
+        if node is not None:
+            return _Contribute.apply(x, node.inbox)
+    if forward is None and backward is None:
         return x
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
-    return _Move.apply(x, forward_specs, backward_specs, what)
+    return _Move.apply(x, forward, backward, what)
 
 
 def _traced_move(x, src, dst, grad, mesh, shape: tuple):
@@ -194,24 +299,26 @@ class _View(torch.autograd.Function):
 
 
 def param_slots(module: nn.Module, owned: tuple) -> tuple:
-    """``(owner, name, full name)`` of every slot holding one of the ``owned`` parameters of
-    the module and its submodules, a tied parameter's slots under its first name."""
-    names = {id(p): n for n, p in module.named_parameters()}
+    """``(table, name, full name)`` of every slot holding one of the ``owned`` parameters (or
+    placed buffers) of the module and its submodules, ``table`` the owner's ``_parameters``
+    or ``_buffers``; a tied parameter's slots under its first name."""
+    names = {id(p): n for n, p in (*module.named_parameters(), *module.named_buffers())}
     owned = set(owned)
-    return tuple((owner, name, names[id(p)])
+    return tuple((table, name, names[id(p)])
                  for _, owner in module.named_modules(remove_duplicate=False)
-                 for name, p in owner._parameters.items()
-                 if p is not None and names[id(p)] in owned)
+                 for table in (owner._parameters, owner._buffers)
+                 for name, p in table.items()
+                 if p is not None and id(p) in names and names[id(p)] in owned)
 
 
 def local_params(slots: tuple, kernel, mesh, cache: dict) -> list:
-    """The local views the module computes with: ``(owner, name, view)`` for every DTensor
-    parameter in ``slots`` (``param_slots``); a tied parameter gets one view. ``cache``
-    keeps the gradient specs seen before."""
+    """The local views the module computes with: ``(table, name, view)`` for every DTensor
+    parameter (or buffer) in ``slots`` (``param_slots``); a tied parameter gets one view.
+    ``cache`` keeps the gradient specs seen before."""
     grads = dict(kernel.grads)
     made, views = {}, []
     for owner, name, full in slots:
-        param = owner._parameters[name]
+        param = owner[name]
         if not isinstance(param, DTensor):
             continue
         view = made.get(id(param))
@@ -224,8 +331,16 @@ def local_params(slots: tuple, kernel, mesh, cache: dict) -> list:
     return views
 
 
+def _grads(param: DTensor, grad):
+    """The torch placements of a local gradient laid out ``grad``; ``Partial()`` is partial
+    where the parameter is replicated (a head replicated over a group: within the group)."""
+    if isinstance(grad, Partial):
+        return tuple(_dt.Partial(grad.op) if p.is_replicate() else p for p in param.placements)
+    return to_torch(grad)
+
+
 def _view(param: DTensor, grad, cache: dict):
-    grads = None if grad is None else to_torch(grad)
+    grads = None if grad is None else _grads(param, grad)
     if torch.compiler.is_compiling():
         return param.to_local(grad_placements=grads)
     if param.requires_grad and torch.is_grad_enabled():

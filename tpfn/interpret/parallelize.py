@@ -31,7 +31,7 @@ from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
 from tpfn.interpret.prepare import (
-    convert, global_shape, prepare_inputs, prepare_outputs, shard_params, unpackable,
+    convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs, shard_params, unpackable,
 )
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
@@ -78,7 +78,8 @@ class Runtime:
             shape = global_shape(first, mount.inputs.slots[0], mesh, shapes)
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache, first_shape=shape)
+                                      cache=self.cache, first_shape=shape,
+                                      share=kernel is None)
         if kernel is None:
             return self._outputs(self.forward(*args, **kwargs), None)
         first, mask = self._first(args, kwargs), None
@@ -91,15 +92,15 @@ class Runtime:
             dim = placements(kernel.output, first.ndim)[0].dim
             return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
         views = local_params(self.slots, kernel, mesh, self.cache)
-        saved = [(owner, name, owner._parameters[name]) for owner, name, _ in views]
+        saved = [(table, name, table[name]) for table, name, _ in views]
         try:
-            for owner, name, view in views:
-                owner._parameters[name] = view
+            for table, name, view in views:
+                table[name] = view
             with sharded(mesh) if kernel.random == "fork" else contextlib.nullcontext():
                 output = self.forward(*args, **kwargs)
         finally:
-            for owner, name, param in saved:
-                owner._parameters[name] = param
+            for table, name, param in saved:
+                table[name] = param
         if mask is not None and isinstance(output, torch.Tensor):
             output = output.masked_fill(mask.unsqueeze(-1), 0)
         return self._outputs(output, shape)
@@ -178,7 +179,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
     for mount in mounts:
         sub = modules[mount.fqn]
         for name, placement in mount.params:
-            param = sub.get_parameter(name)
+            param = placed_tensor(sub, name)
             full = join(mount.fqn, name)
             if id(param) in by_param:
                 first, placed, first_style = by_param[id(param)]
@@ -242,11 +243,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
         raise PlanError(found + tied)
 
     new = shard_params(module, mesh, rule, src_rank=src_rank)
-    replacement = {id(module.get_parameter(name)): param for name, param in new.items()}
+    replacement = {id(placed_tensor(module, name)): param for name, param in new.items()}
     for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in replacement:
-                sub._parameters[name] = replacement[id(param)]
+        for table in (sub._parameters, sub._buffers):
+            for name, param in list(table.items()):
+                if param is not None and id(param) in replacement:
+                    table[name] = replacement[id(param)]
     state = State()
     for m in bound:
         sub = modules[m.fqn]

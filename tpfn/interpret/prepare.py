@@ -25,36 +25,45 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpfn._torch import keep_mesh
-from tpfn.algebra import contiguous_strides, cotangent
+from torch.distributed import tensor as _dt
+
+from tpfn._torch import heads_mesh, keep_mesh
+from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import collective, failed, move, placements
+from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared
 from tpfn.interpret.state import Shapes
-from tpfn.layout import Shard, from_torch, to_torch
+from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
 from tpfn.style.style import Style
 
-__all__ = ["shard_params", "prepare_inputs", "prepare_outputs", "convert", "checked",
+__all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "convert", "checked",
            "not_a_tensor", "unpackable"]
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
                  src_rank: int | None = 0) -> dict:
-    """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout map).
+    """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout
+    map), ``{name: DTensor}`` for each buffer.
 
     Dotted names reach into submodules. ``src_rank`` is the rank whose values every rank
     receives (``None``: each rank keeps its own values, no communication). A parameter that
     is already a DTensor with that layout on ``mesh`` is returned as it is.
+
+    A layout DTensor has no placement for: unequal parts (``Shard(d, parts=(q, k, v))``)
+    become a DTensor ``Shard(d)`` of the ranks' chunks of every part, rank after rank;
+    heads replicated over more ranks than heads (``Shard(d, heads=h)``), a DTensor
+    ``(Shard(d), Replicate())`` on the view of ``mesh`` as ``h`` groups of ranks
+    (``tpfn._torch.heads_mesh``), exact, made once per call.
     """
-    out = {}
+    out, views = {}, {}
     for name, layout in rule.items():
-        param = module.get_parameter(name)
+        param = placed_tensor(module, name)
         problem = unpackable(name, param.shape, layout, mesh.size())
         if problem:
             raise LayoutError(problem)
         wanted = to_torch(layout)
         if isinstance(param, DTensor):
-            if param.device_mesh != mesh or param.placements != wanted:
+            if param.device_mesh != mesh or param.placements != wanted or not exact_in_torch(layout):
                 raise LayoutError(
                     f"parameter {name!r} is already a DTensor laid out {from_torch(param.placements)} "
                     f"on {param.device_mesh}; it cannot also be {layout!r} on {mesh}."
@@ -62,21 +71,97 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
             out[name] = param
             continue
         with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
-            dt = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank)
-        out[name] = keep_mesh(nn.Parameter(dt, requires_grad=param.requires_grad), mesh)
+            if exact_in_torch(layout):
+                dt, on = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh
+            else:
+                dt, on = _beyond_dtensor(param, mesh, layout, src_rank, views)
+        if isinstance(param, nn.Parameter):
+            dt = nn.Parameter(dt, requires_grad=param.requires_grad)
+        out[name] = keep_mesh(dt, on)
     return out
 
 
-def unpackable(name: str, shape, layout, n: int) -> str | None:
-    """Why ``n`` ranks cannot hold packed parts of parameter ``name`` evenly (None: they can).
+def placed_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter, or else the buffer, that ``name`` (dotted) names in ``module``."""
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    return sub._parameters[leaf] if leaf in sub._parameters else sub.get_buffer(leaf)
 
-    Each rank holds its chunk of every part, so each part must split evenly over the ranks.
+
+def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
+    """What rank ``rank`` (by default this process's) of the 1-D ``mesh`` holds of the global
+    value ``full`` laid out ``layout``: its chunk of every packed part, its group's heads.
+
+    >>> import tpfn
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> mesh = init_device_mesh("cpu", (1,))
+    >>> local_value(torch.arange(8), tpfn.Shard(0, parts=(4, 2, 2)), mesh).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    if not isinstance(layout, Shard):
+        return full
+    rank = mesh.get_coordinate()[0] if rank is None else rank
+    dim = layout.dim % full.ndim
+    return torch.cat([full.narrow(dim, start, size)
+                      for start, size in shard_ranges(full.shape[dim], layout, mesh.size(), rank)], dim)
+
+
+def _beyond_dtensor(param, mesh, layout: Shard, src_rank, views: dict) -> tuple:
+    """(the DTensor, its mesh) of a parameter laid out as DTensor has no placement for."""
+    whole = param.detach() if src_rank is None else distribute_tensor(
+        param.detach(), mesh, [_dt.Replicate()], src_data_rank=src_rank).to_local()
+    local, dim, n = local_value(whole, layout, mesh), layout.dim % param.ndim, mesh.size()
+    on, placements = mesh, [_dt.Shard(dim)]
+    if layout.heads is not None and n > layout.heads:
+        if layout.heads not in views:
+            views[layout.heads] = heads_mesh(mesh, layout.heads)
+        on, placements = views[layout.heads], [_dt.Shard(dim), _dt.Replicate()]
+    dt = DTensor.from_local(local.contiguous(), on, placements, run_check=False,
+                            shape=param.shape, stride=param.stride())
+    return dt, on
+
+
+def unpackable(name: str, shape, layout, n: int) -> str | None:
+    """Why ``n`` ranks cannot hold packed parts (or heads) of parameter ``name`` evenly
+    (None: they can).
+
+    Each rank holds its chunk of every part, so each part must split evenly over the ranks;
+    unequal parts must add up to the dim; ``heads`` must split the dim into equal heads, on
+    a number of ranks that divides them or is a multiple of them.
 
     >>> unpackable("gate_up.weight", (12, 8), Shard(0, parts=2), 4)
     "parameter 'gate_up.weight' packs 2 parts in dim 0 (12): each part (6) must split evenly over 4 ranks, so dim 0 must be a multiple of 8; pad each part, or choose a mesh size that divides 6."
+    >>> unpackable("qkv.weight", (96, 8), Shard(0, parts=(64, 16, 16)), 32)
+    "parameter 'qkv.weight' packs parts of 64, 16 and 16 in dim 0: the part of 16 does not split evenly over 32 ranks; pad each part to a multiple of 32, or choose a mesh size that divides every part."
+    >>> unpackable("k.weight", (16, 8), Shard(0, heads=2), 3)
+    "parameter 'k.weight' is 2 heads in dim 0, and 3 ranks neither divide them nor are a multiple of them, so no rank would hold whole heads; choose a mesh size that divides 2 or is a multiple of it."
     """
-    if not isinstance(layout, Shard) or layout.parts == 1:
+    if not isinstance(layout, Shard) or (layout.parts == 1 and layout.heads is None):
         return None
+    dim = layout.dim % len(shape)
+    if layout.heads is not None:
+        heads = layout.heads
+        if shape[dim] % heads:
+            return (f"parameter {name!r} is {heads} heads in dim {dim}, but {shape[dim]} does not "
+                    f"split into {heads} equal heads; give the number of heads its features are.")
+        if heads % n and n % heads:
+            return (f"parameter {name!r} is {heads} heads in dim {dim}, and {n} ranks neither "
+                    f"divide them nor are a multiple of them, so no rank would hold whole heads; "
+                    f"choose a mesh size that divides {heads} or is a multiple of it.")
+        return None
+    if isinstance(layout.parts, tuple):
+        sizes = layout.parts
+        listed = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+        if sum(sizes) != shape[dim]:
+            return (f"parameter {name!r} has {shape[dim]} in dim {dim}, but parts={sizes!r} add "
+                    f"up to {sum(sizes)}; give the sizes of the parts it packs (q, k and v "
+                    "rows of a fused projection).")
+        odd = next((size for size in sizes if size % n), None)
+        if odd is None:
+            return None
+        return (f"parameter {name!r} packs parts of {listed} in dim {dim}: the part of {odd} "
+                f"does not split evenly over {n} ranks; pad each part to a multiple of {n}, or "
+                "choose a mesh size that divides every part.")
     dim, parts = layout.dim % len(shape), layout.parts
     if shape[dim] % (parts * n) == 0:
         return None
@@ -94,6 +179,10 @@ def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
     if x.device_mesh != mesh:
         raise LayoutError(f"{what} is a DTensor on {x.device_mesh}, not on the plan's {mesh}; "
                           "parallelize the producing and the consuming module over one mesh.")
+    odd = next((p for p in (slot.given, slot.desired) if p is not None and not exact_in_torch(p)), None)
+    if odd is not None:
+        raise LayoutError(f"{what} is a DTensor, but the plan lays it out {odd!r}, which DTensor "
+                          "has no placement for; hand it the local shards the projection makes.")
     if slot.given is not None and not _agree(x.placements, placements(slot.given, x.ndim)):
         current = from_torch(x.placements)[0]
         raise LayoutError(
@@ -130,19 +219,26 @@ def global_shape(x, slot, mesh, shapes: Shapes) -> tuple:
 
 
 def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
-            shape=None):
+            shape=None, share: bool = False):
     """One input or output through its slot: a local tensor (``local``) or a DTensor in the
     slot's layout. A local tensor handed on gets its gradient back in ``grad`` (None: it
-    needs none); ``shape`` is the global shape where the caller knows it better."""
+    needs none); ``shape`` is the global shape where the caller knows it better; ``share``:
+    a local replica handed on is shared by several modules, which reduce their partial
+    gradients once (``tpfn.interpret.moves.replicate_shared``)."""
     if x is None or slot.untouched:
         return x
     src = slot.given if slot.given is not None else slot.desired
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
+        if local and share and placements(slot.out, x.ndim)[0].is_replicate():
+            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape,
+                                    what, cache)
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
         shape = tuple(shape or global_shape(x, slot, mesh, shapes))
+        if local and share and placements(slot.out, x.ndim)[0].is_replicate():
+            return replicate_shared(x, src, mesh, shape, what, cache)
         if local:  # the fast path: local tensors all the way
             out = move(x, src, slot.out, grad, mesh, shape, what, cache)
             shapes.remember(out, placements(slot.out, out.ndim), shape, mesh)
@@ -178,13 +274,14 @@ def _spec(spec, kind, name: str, side: str):
 def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *,
                    names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
-                   cache: dict | None = None, first_shape: tuple | None = None) -> tuple:
+                   cache: dict | None = None, first_shape: tuple | None = None,
+                   share: bool = False) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
 
     ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
     its forward's positional input names, for inputs passed by keyword; ``grads``: the layout
     of each local input's gradient, by default its layout's cotangent; ``first_shape``: input
-    0's global shape where the caller knows it).
+    0's global shape where the caller knows it; ``share``: see ``convert``).
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -199,7 +296,7 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
 
     def one(x, slot, grad, what, shape=None):
         return convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
-                       shapes=shapes, cache=cache, shape=shape)
+                       shapes=shapes, cache=cache, shape=shape, share=share)
 
     for i, slot in enumerate(spec.slots):
         what = f"input {i} of {where}"

@@ -125,9 +125,9 @@ class PartialGrads:
     def flush(self) -> None:
         pending, self.pending = self.pending, []
         groups: dict = {}
-        for param in pending:
-            groups.setdefault((id(param.grad.device_mesh), param.grad.placements, param.grad.dtype),
-                              []).append(param)
+        for param in pending:  # one bucket per process group(s), whichever mesh object holds them
+            groups.setdefault((tuple(map(id, param.grad.device_mesh.get_all_groups())),
+                               param.grad.placements, param.grad.dtype), []).append(param)
         for (_, placements, _), params in groups.items():
             grads = [p.grad for p in params]
             mesh = grads[0].device_mesh

@@ -1,0 +1,125 @@
+"""A local replica that several column-wise modules read reduces their gradients once.
+
+``prepare_in(Replicate(), local=True)`` on a parent of q, k and v hands its forward a plain
+local tensor; the three projections' partial input gradients are summed, then all-reduced
+once (Megatron's one f for the three), and whatever else reads the tensor adds its whole
+gradient unreduced. Every case is checked against one device (outputs, the input's
+gradient and every parameter's) and by its exact collective count.
+"""
+
+import torch
+import torch.nn as nn
+
+import tpfn
+from tests.models import clone, counts, max_rel_err, rel_err
+from tests.ranks import mesh
+from tpfn import Replicate, Shard, colwise, prepare_in, rowwise
+
+# One forward and backward against one device (no optimizer step): sharding reorders float32
+# sums only, a few ulps (worst measured here 2.4e-7); a missing or doubled reduction is off by
+# order 1.
+TOL = 1e-5
+
+
+class QKV(nn.Module):
+    """Attention-shaped: q, k, v read the input; ``mix`` also uses it directly."""
+
+    def __init__(self, mix: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.mix = mix
+
+    def forward(self, x):
+        h = self.q(x) * self.k(x).sigmoid() + self.v(x)
+        out = self.o(h)
+        return out + x.tanh() if self.mix else out  # a reader that is not column-wise
+
+
+PLAN = {"q": colwise(), "k": colwise(), "v": colwise(), "o": rowwise()}
+
+
+def _run(mix: bool, parent, hooks: bool = False, split=None):
+    m = mesh(2)
+    ref = QKV(mix)
+    tp = tpfn.parallelize(clone(ref), m, {"": parent, **PLAN})
+    if hooks:  # full backward hooks wrap the children's inputs in identities
+        seen = []
+        for child in (tp.q, tp.k, tp.v):
+            child.register_full_backward_hook(lambda mod, gin, gout: seen.append(gin[0].shape))
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    mine = x.detach().clone().requires_grad_()
+    rank = torch.distributed.get_rank()
+    local = mine if split is None else mine.chunk(2, dim=split)[rank]
+    comm = counts(lambda: tp(local).pow(2).sum().backward())
+    ref(x).pow(2).sum().backward()
+    grads = (mine.grad, x.grad) if split is None else (  # each rank: its own shard's gradient
+        mine.grad.chunk(2, dim=split)[rank], x.grad.chunk(2, dim=split)[rank])
+    errors = [rel_err(*grads), *max_rel_err(tp, ref, grads=True).values()]
+    return comm, max(errors), (len(seen) if hooks else None)
+
+
+def _cases():
+    shared = prepare_in(Replicate(), local=True)
+    return {
+        "children only": _run(False, shared),
+        "a direct reader too": _run(True, shared),
+        "behind backward hooks": _run(True, shared, hooks=True),
+        "as DTensors": _run(False, prepare_in(Replicate())),
+        "gathered from a sequence shard": _run(
+            True, prepare_in(Shard(1), desired=Replicate(), local=True), split=1),
+    }
+
+
+def test_a_shared_replica_reduces_its_readers_gradients_once(ranks2):
+    cases = ranks2.run(_cases)[0]
+    for name, (_, error, _) in cases.items():
+        assert error <= TOL, name
+    # forward: o's all-reduce; backward: one all-reduce for q, k and v together
+    assert cases["children only"][0] == {"all_reduce": 2}
+    # the direct reader's gradient is whole on every rank: added after the one reduction
+    assert cases["a direct reader too"][0] == {"all_reduce": 2}
+    assert cases["behind backward hooks"][0] == {"all_reduce": 2}
+    assert cases["behind backward hooks"][2] == 3  # the user's hooks ran
+    assert cases["as DTensors"][0] == {"all_reduce": 2}
+    # all-gather forward; reduce-scatter of the summed partial gradients backward
+    assert cases["gathered from a sequence shard"][0] == {
+        "all_gather": 1, "all_reduce": 1, "reduce_scatter": 1}
+
+
+def _twice():
+    """One graph backwarded twice: each backward reduces its own gradients, never the other's."""
+    m = mesh(2)
+    ref = QKV(True)
+    tp = tpfn.parallelize(clone(ref), m, {"": prepare_in(Replicate(), local=True), **PLAN})
+    x = torch.randn(2, 6, 8)
+    loss = tp(x).pow(2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref_loss = ref(x).pow(2).sum()
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    return max(max_rel_err(tp, ref, grads=True).values())
+
+
+def test_a_graph_backwarded_twice_reduces_each_backward_apart(ranks2):
+    assert ranks2.run(_twice)[0] <= TOL
+
+
+def _only_some_readers():
+    """A backward that reaches the replica through one reader only (the others cut off)."""
+    m = mesh(2)
+    ref = QKV(False)
+    tp = tpfn.parallelize(clone(ref), m, {"": prepare_in(Replicate(), local=True), **PLAN})
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    mine = x.detach().clone().requires_grad_()
+    for model, inp in ((tp, mine), (ref, x)):
+        model.k.weight.requires_grad_(False)
+        grad, = torch.autograd.grad(model.q(inp).pow(2).sum(), inp)
+        inp.grad = grad
+    return rel_err(mine.grad, x.grad)
+
+
+def test_one_reader_alone_gets_its_gradient_reduced(ranks2):
+    assert ranks2.run(_only_some_readers)[0] <= TOL
