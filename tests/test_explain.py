@@ -286,7 +286,8 @@ def test_heads_and_kv_heads_fewer_than_ranks_are_reported():
     assert e.value.problems[1:] == [
         "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 4 heads of 16 "
         "features: fewer heads than the 8 ranks, so colwise() cannot give each rank a whole head; "
-        "use at most 4 ranks for tensor parallelism (and 1 more like it)."]
+        "use at most 4 ranks for tensor parallelism, or replicate the heads over groups of ranks "
+        "with colwise(heads=4) (and 1 more like it)."]
     assert e.value.problems[0].startswith(
         "the dry run's forward failed in 'model.layers.0.self_attn' (LlamaAttention): RuntimeError:")
     report = tpfn.explain(model, plan, world_size=3)
@@ -317,6 +318,7 @@ def test_uneven_dims_and_unsharded_siblings_are_linted():
         "(feed_forward.w1.weight Shard(dim=0), feed_forward.w1.bias Shard(dim=0), "
         "feed_forward.w2.weight Shard(dim=1)); bind 'layers.1' in the plan too, or leave both "
         "unsharded.",)
+    plan["layers.*.attention"] = prepare_in(Replicate())  # q, k, v handed one DTensor
     with pytest.raises(PlanError) as e:
         tpfn.explain(model, plan, world_size=4, example_inputs=(2, 8))
     assert e.value.problems[0] == (
@@ -442,8 +444,10 @@ def test_the_html_picture_is_self_contained_and_shows_every_module():
     assert parser.open == []  # every element closed
     assert not re.search(r"https?:|//|<script|<link|<img|<iframe|url\(|@import", page)
     assert {tag for tag, _ in parser.tags} <= {"html", "head", "meta", "title", "style", "body", "h1",
-                                               "h2", "table", "tr", "td", "p", "span", "details",
-                                               "summary", "code", "ul", "li"}
+                                               "h2", "h3", "table", "tr", "th", "td", "p", "span",
+                                               "div", "b", "a", "main", "header", "section",
+                                               "details", "summary", "code", "ul", "li", "figure",
+                                               "figcaption", "svg", "rect", "text", "title", "line"}
     for fqn, _ in model.named_modules():
         assert f"<code>{fqn.rpartition('.')[2] or '&lt;root&gt;'}</code>" in page
     assert '<span class="badge shard">Shard(dim=0)</span>' in page
@@ -704,15 +708,17 @@ def test_a_fused_qkv_of_unequal_parts_under_colwise_is_linted():
         "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
         "of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 "
         "contiguous shards of 96 features, across q, k and v, so each rank computes attention on "
-        "the wrong features, silently; split it into separate q, k and v projections, each "
-        "colwise(), or gather its output with colwise() >> prepare_out(Replicate())."]
+        "the wrong features, silently; use colwise(parts=(128, 32, 32)), which gives each rank its "
+        "slice of q, of k and of v."]
     equal_parts = tpfn.explain(FusedGQA(), {**plan, "qkv": colwise(parts=3)}, world_size=2)
     assert equal_parts.lints == (
         "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
-        "of 16 features: 128 + 32 + 32 = 192 features), and colwise(parts=3) cuts it into 3 equal "
-        "parts of 64 features, not q, k and v, so each rank computes attention on the wrong "
-        "features, silently; split it into separate q, k and v projections, each colwise(), or "
-        "gather its output with colwise() >> prepare_out(Replicate()).",)
+        "of 16 features: 128 + 32 + 32 = 192 features), and colwise(parts=3) cuts it into parts of "
+        "64 + 64 + 64 features, not q, k and v, so each rank computes attention on the wrong "
+        "features, silently; use colwise(parts=(128, 32, 32)), which gives each rank its slice of "
+        "q, of k and of v.",)
+    assert [lint for lint in tpfn.explain(FusedGQA(), {**plan, "qkv": colwise(parts=(128, 32, 32))},
+                                          world_size=2).lints if "fuses" in lint] == []
     gathered = {"qkv": colwise() >> prepare_out(Replicate()), "o": prepare_in(Replicate()) >> rowwise()}
     assert tpfn.explain(FusedGQA(), gathered, world_size=2, example_inputs=(2, 8, 128),
                         dtype=torch.float32).lints == ()
@@ -745,8 +751,8 @@ def test_a_symbolic_world_size_names_its_stand_in():
     assert e.value.problems[1:] == [
         "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 2 heads of 64 "
         "features: fewer heads than the 4 ranks (the stand-in world size t=4), so colwise() cannot "
-        "give each rank a whole head; use at most 2 ranks for tensor parallelism (and 1 more like "
-        "it)."]
+        "give each rank a whole head; use at most 2 ranks for tensor parallelism, or replicate the "
+        "heads over groups of ranks with colwise(heads=2) (and 1 more like it)."]
 
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

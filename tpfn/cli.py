@@ -10,8 +10,9 @@ input's name (--input input_ids=1,256), the input's own dtype (8,16:float32; --d
 others) and grad for an input that needs a gradient (8,16:float32:grad), whose gradient's
 collectives the backward then shows. The table fits the terminal (--width N; --wide: every
 parameter and slot, as wide as it takes), --json prints the report's to_dict(), --html FILE
-writes the picture. A plan that cannot work prints its problems to standard error and exits
-with 1 (--traceback: the Python traceback, down to the line that failed).
+writes the page (--baseline PLAN: beside another plan, loaded as PLAN is). A plan that cannot
+work prints its problems to standard error and exits with 1 (--traceback: the Python
+traceback, down to the line that failed).
 
 >>> main(["explain", "torch.nn:Identity", "tpfn:identity", "--world-size", "2", "--width", "80"])
 tpfn.explain on 2 ranks: no inputs given, nothing ran
@@ -231,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"columns of the table (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", metavar="FILE", help="write the report as a self-contained HTML page")
+    p.add_argument("--baseline", metavar="PLAN",
+                   help="with --html: set the plan beside this one (given as PLAN is; "
+                   "builtins:dict, an empty plan: no tensor parallelism)")
     p.add_argument("--traceback", action="store_true",
                    help="on an error, the Python traceback down to the line that failed")
     p.set_defaults(command_parser=p)
@@ -353,24 +357,33 @@ def main(argv=None) -> int:
     usage = args.command_parser.error  # the subcommand's own usage, not the top level's
     if os.getcwd() not in sys.path and "" not in sys.path:  # the `tpfn` script: as `python -m`
         sys.path.insert(0, os.getcwd())
+    if getattr(args, "baseline", None) is not None and not args.html:
+        usage("--baseline sets two plans side by side in the HTML page: give --html FILE too")
     try:
         model = _load(args.model, "model", args.traceback)
         plan = _load(args.plan, "plan", args.traceback)
+        baseline = None if getattr(args, "baseline", None) is None else _load(
+            args.baseline, "baseline plan", args.traceback)
     except argparse.ArgumentTypeError as e:
         usage(str(e))
     if not isinstance(model, nn.Module):
         usage(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
     if args.command == "verify":
         return _verify(args, model, plan)
-    try:
-        report = explain(model, plan, world_size=args.world_size,
-                         example_inputs=_arrange(usage, model, _inputs(args, model)),
-                         dtype=args.dtype, sizes=dict(args.size))
-    except (PlanError, ValueError, TypeError) as e:
-        if args.traceback:
-            raise
-        print(f"tpfn explain: {e}", file=sys.stderr)
-        return 1
+    inputs = _arrange(usage, model, _inputs(args, model))
+    reports = []
+    for which, value in (("", plan), ("the baseline plan: ", baseline)):
+        if value is None and which:
+            continue
+        try:
+            reports.append(explain(model, value, world_size=args.world_size, example_inputs=inputs,
+                                   dtype=args.dtype, sizes=dict(args.size)))
+        except (PlanError, ValueError, TypeError) as e:
+            if args.traceback:
+                raise
+            print(f"tpfn explain: {which}{e}", file=sys.stderr)
+            return 1
+    report = reports[0]
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -380,6 +393,8 @@ def main(argv=None) -> int:
             width = None if args.wide else max(MIN_WIDTH, shutil.get_terminal_size().columns)
         print(report.text(width, wide=args.wide))
     if args.html:
+        page = report.to_html() if baseline is None else report.to_html(
+            reports[1], name=args.plan, baseline_name=args.baseline)
         with open(args.html, "w", encoding="utf-8") as f:
-            f.write(report.to_html())
+            f.write(page)
     return 0

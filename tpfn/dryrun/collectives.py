@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from tpfn._torch import ProcessGroup, TorchDispatchMode, resolve_process_group
+from tpfn._torch import ProcessGroup, TorchDispatchMode, next_sequence_nr, resolve_process_group
 from tpfn.dryrun.report import KINDS, Comm
 
 __all__ = ["record", "kind", "counts"]
@@ -100,9 +100,10 @@ _INPUTS = ("input", "inputs", "input_tensor", "input_tensors", "tensors")
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, nodes: list | None):
         super().__init__()
         self.comms: list = []
+        self.nodes = nodes  # where given: the autograd position of each collective
         self.open: list = []  # (fqn, first sequence number) of the modules running forward
         self.spans: list = []  # (first, end, fqn) of finished forwards
 
@@ -125,10 +126,12 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         op_kind = kind(func)
         if op_kind is not None:
+            node = None
             if torch._C._current_graph_task_id() == -1:
                 fqn, phase = (self.open[-1][0] if self.open else None), "forward"
             else:
-                fqn, phase = self._creator(torch._C._current_autograd_node()), "backward"
+                node = torch._C._current_autograd_node()
+                fqn, phase = self._creator(node), "backward"
             if op_kind not in KINDS:
                 where = "code outside every module" if fqn is None else repr(fqn or "<root>")
                 raise ValueError(
@@ -139,15 +142,21 @@ class _Recorder(TorchDispatchMode):
             n = _group_size(named)
             whole = _numel(sent) * (n if op_kind in ("all_gather", "all_to_all") else 1)
             self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent)))
+            if self.nodes is not None:
+                self.nodes.append(next_sequence_nr() if phase == "forward" else
+                                  None if node is None else node._sequence_nr())
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def record(module: nn.Module):
+def record(module: nn.Module, *, nodes: list | None = None):
     """Collect the collectives run inside the block, attributed to submodules of ``module``.
 
     Yields the list that fills with ``Comm`` values as the block runs (hooks and the
-    dispatch mode are removed on exit).
+    dispatch mode are removed on exit). ``nodes``, where given, fills alongside with each
+    collective's autograd position: in the backward the sequence number of the node running
+    it (None for a callback at its end), in the forward the number the next node will get,
+    so that sequence numbers noted around a part of a forward tell which part issued it.
 
     >>> from tpfn.dryrun import fake_mesh
     >>> from tpfn.record import record
@@ -160,7 +169,7 @@ def record(module: nn.Module):
     >>> [(c.fqn, c.phase, c.kind, c.numel, c.bytes) for c in comms]
     [('1', 'forward', 'all_reduce', 8, 32), ('0', 'backward', 'all_reduce', 8, 32)]
     """
-    recorder = _Recorder()
+    recorder = _Recorder(nodes)
     handles = []
     for fqn, sub in module.named_modules():
         handles.append(sub.register_forward_pre_hook(

@@ -30,12 +30,15 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from tpfn._torch import local_tensor
 from tpfn.algebra import local_shape, transition
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
+from tpfn.dryrun.slots import Slots
 from tpfn.errors import PlanError
+from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.plans.plan import Plan
@@ -113,7 +116,7 @@ def _local(shape: tuple, placement, shown, n: int) -> tuple:
         nominal = list(shape)
         nominal[placement.dim] = sympy.sympify(shape[placement.dim]) / shown
         return ((tuple(nominal), 0, shown - 1),)
-    if shape[placement.dim] % (n * placement.parts) == 0:
+    if placement.heads is None and all(part % n == 0 for part in placement.sizes(shape[placement.dim])):
         return ((local_shape(shape, placement, (n,), (0,)), 0, n - 1),)
     runs: list = []
     for c in range(n):
@@ -128,7 +131,7 @@ def _local(shape: tuple, placement, shown, n: int) -> tuple:
 def _rows(module: nn.Module, shown, n: int) -> list:
     """A row per module with its own parameters (a tied one names its first owner)."""
     first: dict = {}
-    rows = []
+    rows, placed = [], layouts(module)
     for fqn, sub in module.named_modules():
         params = []
         for name, p in sub._parameters.items():
@@ -136,7 +139,7 @@ def _rows(module: nn.Module, shown, n: int) -> list:
                 continue
             full = f"{fqn}.{name}" if fqn else name
             owner = first.setdefault(id(p), full)
-            placement = from_torch(p.placements)[0] if isinstance(p, DTensor) else None
+            placement = placed.get(full) or (from_torch(p.placements)[0] if isinstance(p, DTensor) else None)
             shape = tuple(p.shape)
             params.append(Param(name, placement, shape, _local(shape, placement, shown, n),
                                 p.dtype.itemsize, None if owner == full else owner))
@@ -224,23 +227,45 @@ def _tokens(x: ExampleInput):
     return sympy.Mul(*map(sympy.sympify, dims))
 
 
+def _storage(x):
+    return (local_tensor(x) if isinstance(x, DTensor) else x).untyped_storage()
+
+
+def _kept(model: nn.Module, saved: list) -> int:
+    """Bytes of the distinct storages of ``saved`` (what autograd saved for the backward),
+    the model's own parameters and buffers left out: the activations a rank keeps."""
+    own = {id(_storage(t)) for t in itertools.chain(model.parameters(), model.buffers())}
+    distinct = {id(s): s for s in map(_storage, saved) if id(s) not in own}
+    return sum(s.nbytes() for s in distinct.values())
+
+
 def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, values: dict, block):
-    """One forward and backward of ``model``: the collectives, and what ``_watch`` saw."""
+    """One forward and backward of ``model``: the collectives, what ``_watch`` saw, the
+    ``Slots`` that watched each slot, and the bytes saved for the backward."""
     seen: dict = {}
     _watch(model, seen, block)
+    nodes: list = []
+    slots = Slots(model, {fqn: [label for label, slot in _slots(m) if not slot.untouched]
+                          for fqn, m in mounts.items()}, nodes)
     args = tuple(x.meta(values) if isinstance(x, ExampleInput) else x for x in args)
     kwargs = {k: x.meta(values) if isinstance(x, ExampleInput) else x for k, x in kwargs.items()}
-    phase = "forward"
+    phase, saved = "forward", []
+
+    def pack(x):
+        saved.append(x)
+        return x
+
     try:
-        with record(model) as comms:
-            out = model(*args, **kwargs)
+        with record(model, nodes=nodes) as comms:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                out = model(*args, **kwargs)
             phase = "backward"
             grads = [t.sum() for t in _floats(out)]
             if grads:
                 torch.autograd.backward(grads)
     except Exception as exc:
         raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints]) from exc
-    return comms, seen
+    return comms, seen, slots, _kept(model, saved)
 
 
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict) -> Report:
@@ -261,10 +286,14 @@ def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) ->
     lints = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
              *lint.fused(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
-    comms, seen = _run(model, mounts, lints, n, args, kwargs, values,
-                       blocks[0] if blocks else None) if ran else ([], {})
+    comms, seen, slots, kept = _run(model, mounts, lints, n, args, kwargs, values,
+                                    blocks[0] if blocks else None) if ran else ([], {}, None, None)
     rows = [attrs.evolve(r, transitions=_transitions(mounts[r.fqn], seen.get(r.fqn, {}), ran))
             if r.fqn in mounts else r for r in rows]
+    flows = () if slots is None else slots.flows(
+        tuple(comms), mesh, {r.fqn: {t.slot: t for t in r.transitions} for r in rows})
+    states = [runtime(m).state for m in model.modules() if runtime(m) is not None]
+    partial = tuple(states[0].partial_grads.names.values()) if states else ()
     described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch."))
                    for name, x in described if isinstance(x, ExampleInput))
@@ -272,7 +301,8 @@ def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) ->
     megatron = None
     if None in seen and first is not None:
         megatron = Megatron(blocks, _tokens(first), *seen[None])
-    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron)
+    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial,
+                  kept)
 
 
 def _monomial(sizes: list, runs: list, symbols: list, what: str):
@@ -326,7 +356,21 @@ def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict
         attrs.evolve(c, numel=_monomial([r.comms[i].numel for r in reports], runs, symbols,
                                         f"{c.phase} {c.kind} of {c.fqn!r}"), group_size=world_size)
         for i, c in enumerate(reports[0].comms))
-    return attrs.evolve(reports[0], comms=comms)
+    flows = tuple(attrs.evolve(f, shape=_shape([r.flows[i].shape for r in reports], runs, symbols))
+                  for i, f in enumerate(reports[0].flows))
+    kept = None if reports[0].kept is None else _shape([(r.kept,) for r in reports], runs, symbols)
+    return attrs.evolve(reports[0], comms=comms, flows=flows, kept=None if kept is None else kept[0])
+
+
+def _shape(shapes: list, runs: list, symbols: list):
+    """A slot's tensor shape as formulas in the symbols (None where a size is no product of
+    their powers: the page then draws no picture of it)."""
+    if len({len(s) for s in shapes}) != 1:
+        return None
+    try:
+        return tuple(_monomial(list(sizes), runs, symbols, "slot") for sizes in zip(*shapes))
+    except ValueError:
+        return None
 
 
 def _check_world_size(world_size):

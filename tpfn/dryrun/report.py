@@ -26,7 +26,8 @@ from tpfn.dryrun.units import fmt_bytes, summary
 from tpfn.layout import Placement, Replicate, Shard
 from tpfn.style.style import Style
 
-__all__ = ["Comm", "Param", "Transition", "Row", "Megatron", "Report", "fmt_bytes", "summary"]
+__all__ = ["Comm", "Param", "Transition", "Flow", "Row", "Megatron", "Report", "fmt_bytes",
+           "summary"]
 
 # The one-step program whose ring cost is each kind's: sizes are of the whole tensor.
 _STEPS = {
@@ -139,6 +140,25 @@ class Transition:
 
 
 @attrs.frozen
+class Flow:
+    """What one slot of one module did in the dry run: the tensor it handed on (its global
+    ``shape``, ``itemsize``, and ``storage``: one number for the slots that handed on one
+    tensor's memory) and the collectives it ran, as positions in ``Report.comms``.
+
+    >>> Flow("2", "output 0", (8, 16), 4, storage=3, forward=(0,))
+    Flow(fqn='2', slot='output 0', shape=(8, 16), itemsize=4, storage=3, forward=(0,), backward=())
+    """
+
+    fqn: str
+    slot: str
+    shape: tuple | None
+    itemsize: int
+    storage: int
+    forward: tuple = ()
+    backward: tuple = ()
+
+
+@attrs.frozen
 class Row:
     """One module: its FQN, type, style (None: not in the plan), own parameters, slots.
 
@@ -176,7 +196,12 @@ class Megatron:
 
 @attrs.frozen
 class Report:
-    """What ``tpfn.explain`` found: a row per module, the collectives, and the lints.
+    """What ``tpfn.explain`` found: a row per module, the collectives in the order they ran
+    (the forward's, then the backward's), and the lints; ``flows``: what each slot handed on
+    and which collectives it ran; ``partial_grads``: the parameters whose partial gradients
+    are summed at the end of the backward (in the collectives of no module); ``kept``: the
+    bytes of the tensors autograd saved for the backward on rank 0 (its activations; the
+    model's parameters and buffers left out; None where nothing ran).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -195,6 +220,9 @@ class Report:
     comms: tuple
     lints: tuple = ()
     megatron: Megatron | None = None
+    flows: tuple = ()
+    partial_grads: tuple = ()
+    kept: int | sympy.Expr | None = None
 
     @property
     def collectives(self) -> dict:
@@ -278,9 +306,13 @@ class Report:
             "lints": list(self.lints),
         }
 
-    def to_html(self) -> str:
-        """A self-contained HTML page: the module tree, placements and bytes (``tpfn.dryrun.html``)."""
-        return html(self)
+    def to_html(self, baseline: Report | None = None, *, name: str = "this plan",
+                baseline_name: str = "baseline") -> str:
+        """A self-contained HTML page (``tpfn.dryrun.html``): totals, the fraction of
+        parameters sharded, what each rank holds, the step's collectives in order, every
+        module with its slots' steps and a picture of each tensor; with ``baseline`` (the
+        report of another plan), the two side by side under their names."""
+        return html(self, baseline, name=name, baseline_name=baseline_name)
 
     def traffic(self) -> dict:
         """``{(fqn, phase): {kind: (count, bytes)}}`` over the collectives."""

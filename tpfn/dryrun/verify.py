@@ -20,10 +20,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tpfn._fqn import describe
+from tpfn._fqn import describe, generalize
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
 from tpfn.dryrun.lints import failing_module
+from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.plans.plan import Plan, resolve
@@ -152,11 +153,11 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
 
 def _grads(model: nn.Module) -> dict:
     """``{name: (local gradient, layout) or None}`` of every parameter."""
-    out = {}
+    out, placed = {}, layouts(model)
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = None if g is None else (g.to_local().clone(), from_torch(g.placements)[0]) \
-            if isinstance(g, DTensor) else (g.clone(), Replicate())
+        out[name] = None if g is None else (g.to_local().clone(), placed.get(
+            name, from_torch(g.placements)[0])) if isinstance(g, DTensor) else (g.clone(), Replicate())
     return out
 
 
@@ -177,8 +178,7 @@ def _assemble(pieces: list, ref: torch.Tensor):
         stack = torch.stack(local)
         return [{"sum": stack.sum, "avg": stack.mean, "max": lambda d: stack.amax(d),
                  "min": lambda d: stack.amin(d)}[layout.op](0)]
-    d, k = layout.dim % ref.ndim, layout.parts
-    return [torch.cat([torch.cat([t.chunk(k, d)[p] for t in local], d) for p in range(k)], d)]
+    return assemble(local, layout, tuple(ref.shape))
 
 
 def _error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -398,17 +398,51 @@ def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward
             "against what its forward computes on each rank.")
 
 
+def _floor(ref: dict) -> float:
+    """A gradient that is zero on one device up to rounding (a key's bias, under a softmax)
+    is measured against 1e-3 of the model's root-mean-square gradient, not its own noise."""
+    given = [g[0].double() for g in ref["grads"].values() if g is not None]
+    numel = sum(g.numel() for g in given)
+    return 1e-3 * (sum(g.square().sum().item() for g in given) / numel) ** 0.5 if numel else 0.0
+
+
+def _partial_sums(ref: dict, ranks: list, tolerance: float) -> dict:
+    """``{module: (parameter, ...)}``: the replicated parameters whose gradient differs from
+    one device's on the ranks while the ranks' sum equals it: each rank's covers only its
+    shard of the activations (a norm over local heads, an activation's parameters between
+    column-wise and row-wise layers), and nothing sums them."""
+    floor, found = _floor(ref), {}
+    for name, g in ref["grads"].items():
+        pieces = [r["grads"].get(name) for r in ranks]
+        if g is None or any(p is None or p[1] != Replicate() for p in pieces):
+            continue
+        alone = max(_error(p[0], g[0], floor) for p in pieces)
+        summed = _error(torch.stack([p[0] for p in pieces]).sum(0), g[0], floor)
+        if not alone <= tolerance and summed <= tolerance:
+            owner, _, leaf = name.rpartition(".")
+            found[owner] = (*found.get(owner, ()), leaf)
+    return found
+
+
+def _lacking(partial: dict, model: nn.Module) -> str:
+    """The hint for parameters whose gradients are partial sums: the rule the plan lacks."""
+    fqn, names = list(partial.items())[-1]
+    patterns = list(dict.fromkeys(generalize(f) for f in partial))
+    rule = f"replicate() >> on_shards(param_grads={ {n: Partial() for n in names}!r})"
+    return (f"{describe(model.get_submodule(fqn), fqn)}: the gradients of its replicated "
+            f"{', '.join(map(repr, names))} differ from rank to rank and their sum is one "
+            "device's: each rank's covers only its shard of the activations. The plan lacks "
+            f"{rule} (transformers: 'replicated_with_grad_allreduce'), which sums them, on "
+            f"{' and '.join(map(repr, patterns))}.")
+
+
 def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
     """One ``Check`` per module, in execution order (modules that did not run last)."""
     order = ref["order"] + [f for f, _ in model.named_modules() if f not in ref["seen"]]
     owner: dict = {}
     for name in ref["grads"]:
         owner.setdefault(name.rpartition(".")[0], []).append(name)
-    # A gradient that is zero on one device up to rounding (a key's bias, under a softmax) is
-    # measured against 1e-3 of the model's root-mean-square gradient, not against its own noise.
-    given = [g[0].double() for g in ref["grads"].values() if g is not None]
-    numel = sum(g.numel() for g in given)
-    floor = 1e-3 * (sum(g.square().sum().item() for g in given) / numel) ** 0.5 if numel else 0.0
+    floor = _floor(ref)
     checks = []
     for fqn in order:
         sub = model.get_submodule(fqn)
@@ -513,5 +547,8 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
     if found is None:
         return attrs.evolve(report, checks=tuple(checks))
     fqn, err, forward = found
-    return attrs.evolve(report, checks=tuple(checks), culprit=fqn,
-                        hint=_hint(fqn, model.get_submodule(fqn), mounts, world_size, err, forward))
+    partial = {} if forward else _partial_sums(ref, ranks, tolerance)
+    hint = _lacking(partial, model) if partial else _hint(
+        fqn, model.get_submodule(fqn), mounts, world_size, err, forward)
+    return attrs.evolve(report, checks=tuple(checks), culprit=list(partial)[-1] if partial else fqn,
+                        hint=hint)

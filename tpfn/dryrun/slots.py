@@ -1,0 +1,186 @@
+"""Which slot of which bound module ran each collective of a dry run, and what each slot handed on.
+
+``Slots`` watches every call of every bound module on the dry run's own copy of the model:
+the autograd sequence numbers around its input moves (from its forward pre-hook to its own
+forward) and around its output moves (from its outputs' arrival to its forward hook), and
+the tensor each slot hands on. A call's moves make their autograd nodes slot by slot, so
+the node a handed-on tensor's gradient starts from closes its slot's range of sequence
+numbers. A backward collective runs in a node: the slot whose range holds that node ran it.
+A forward collective is noted with the number the next node will get (``record(...,
+nodes=)``): the slot whose nodes were being made ran it; a slot that makes no node (an
+input that needs no gradient) is told apart by the algebra's count of its steps.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from tpfn._torch import local_tensor, next_sequence_nr
+from tpfn.algebra import Chunk
+from tpfn.dryrun.report import Flow
+from tpfn.interpret.parallelize import runtime
+from tpfn.interpret.state import recall
+from tpfn.layout import to_torch
+
+__all__ = ["Slots"]
+
+
+@attrs.define
+class _Window:
+    """The moves of one side (inputs or outputs) of one call: the first sequence number they
+    may use, the index of their first collective, and once they are done the end of both and
+    the value each slot handed on, in slot order."""
+
+    start: int
+    first: int
+    end: int | None = None
+    last: int | None = None
+    values: list | None = None
+
+    def close(self, nodes: list, values: list) -> None:
+        self.end, self.last, self.values = next_sequence_nr(), len(nodes), values
+
+    def bounds(self) -> list:
+        """The last sequence number of each slot's nodes (the one before, for a slot that made none)."""
+        out, last = [], self.start - 1
+        for x in self.values:
+            node = x.grad_fn if isinstance(x, torch.Tensor) else None
+            if node is not None and self.start <= node._sequence_nr() < self.end:
+                last = max(last, node._sequence_nr())
+            out.append(last)
+        return out
+
+
+def _input(label: str, args: tuple, kwargs: dict, names: tuple):
+    """The value of input slot ``label`` (``"input 0"``, ``"input 'mask'"``) in a call."""
+    key = label.removeprefix("input ")
+    if key.isdigit():
+        i = int(key)
+        return args[i] if i < len(args) else kwargs.get(names[i]) if i < len(names) else None
+    return kwargs.get(key.strip("'"))
+
+
+def _output(label: str, output):
+    """The value of output slot ``label`` (``"output 0"``, ``"output 'logits'"``)."""
+    key = label.removeprefix("output ")
+    if not key.isdigit():
+        return output.get(key.strip("'")) if isinstance(output, dict) else None
+    items = list(output.values()) if isinstance(output, dict) else (
+        list(output) if isinstance(output, (tuple, list)) else [output])
+    return items[int(key)] if int(key) < len(items) else None
+
+
+class Slots:
+    """Watch the slots of every bound module of ``model`` (a dry run's copy, parallelized):
+    ``labels`` holds each bound module's labels of the slots it moves, in the order it moves
+    them; ``nodes`` is the list ``record`` fills alongside its collectives.
+    """
+
+    def __init__(self, model: nn.Module, labels: dict, nodes: list):
+        self.labels, self.nodes = labels, nodes
+        self.calls: dict = {fqn: [] for fqn in labels}  # fqn -> [(inputs, outputs) window]
+        self.open: dict = {fqn: [] for fqn in labels}
+        for fqn, sub in model.named_modules():
+            if fqn in labels:
+                self._install(fqn, sub, runtime(sub))
+
+    def _install(self, fqn: str, sub: nn.Module, rt) -> None:
+        inputs = [label for label in self.labels[fqn] if label.startswith("input")]
+        outputs = [label for label in self.labels[fqn] if label.startswith("output")]
+        forward, watch, names = rt.forward, rt.watch, rt.mount.names or ()
+
+        def begin(module, args):
+            self.open[fqn].append([_Window(next_sequence_nr(), len(self.nodes)), None])
+
+        def own_forward(*args, **kwargs):
+            call = self.open[fqn][-1]
+            call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs])
+            return forward(*args, **kwargs)
+
+        def watched(label, x):
+            if watch is not None:
+                watch(label, x)
+            call = self.open[fqn][-1] if self.open[fqn] else None
+            if label.startswith("output") and call is not None and call[1] is None:
+                if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
+                    call[0].close(self.nodes, [None] * len(inputs))
+                call[1] = _Window(next_sequence_nr(), len(self.nodes))
+
+        def end(module, args, output):
+            call = self.open[fqn].pop()
+            if call[0].end is None:
+                call[0].close(self.nodes, [None] * len(inputs))
+            if call[1] is None:
+                call[1] = _Window(next_sequence_nr(), len(self.nodes))
+            call[1].close(self.nodes, [_output(label, output) for label in outputs])
+            self.calls[fqn].append(call)
+
+        sub.register_forward_pre_hook(begin)
+        sub.register_forward_hook(end)
+        rt.forward, rt.watch = own_forward, watched
+
+    def _owners(self, fqn: str, comms: tuple, transitions: dict) -> dict:
+        """``{label: ([forward collective index], [backward collective index])}`` of ``fqn``."""
+        out: dict = {label: ([], []) for label in self.labels[fqn]}
+        for call in self.calls[fqn]:
+            for side, window in zip(("input", "output"), call):
+                labels = [lb for lb in self.labels[fqn] if lb.startswith(side)]
+                if not labels:
+                    continue
+                bounds = window.bounds()
+                steps = [sum(not isinstance(s, Chunk) for s in transitions[lb].steps)
+                         if lb in transitions else 1 for lb in labels]
+                taken = [0] * len(labels)
+                for j in range(window.first, window.last):  # forward: in the order they ran
+                    made = self.nodes[j] - 1  # the last node made when it ran
+                    fits = [i for i in range(len(labels)) if made <= bounds[i]
+                            and (i == 0 or made >= bounds[i - 1])]
+                    free = [i for i in fits if taken[i] < steps[i]]
+                    if fits:
+                        i = (free or fits)[0]
+                        taken[i] += 1
+                        out[labels[i]][0].append(j)
+                for j, c in enumerate(comms):
+                    seq = self.nodes[j]
+                    if c.phase != "backward" or c.fqn != fqn or seq is None \
+                            or not window.start <= seq < window.end:
+                        continue
+                    i = next((i for i, b in enumerate(bounds) if seq <= b), None)
+                    if i is not None:
+                        out[labels[i]][1].append(j)
+        return out
+
+    def flows(self, comms: tuple, mesh, transitions: dict) -> tuple:
+        """A ``Flow`` per slot that handed on a tensor (``transitions``: ``{fqn: {label:
+        Transition}}`` of the slots seen): its first call's tensor, and the collectives of
+        all its calls."""
+        storages: list = []
+        found = []
+        for fqn, labels in self.labels.items():
+            if not self.calls[fqn]:
+                continue
+            seen = transitions.get(fqn, {})
+            owners = self._owners(fqn, comms, seen)
+            first = self.calls[fqn][0]
+            values = dict(zip([lb for lb in labels if lb.startswith("input")], first[0].values))
+            values.update(zip([lb for lb in labels if lb.startswith("output")], first[1].values))
+            for label in labels:
+                x, t = values.get(label), seen.get(label)
+                if not isinstance(x, torch.Tensor) or t is None:
+                    continue
+                if isinstance(x, DTensor):
+                    shape, storage = tuple(x.shape), local_tensor(x).untyped_storage()
+                else:
+                    shape = recall(x, to_torch(t.desired, x.ndim), mesh)
+                    storage = x.untyped_storage()
+                index = next((i for i, s in enumerate(storages) if s is storage), None)
+                if index is None:
+                    index = len(storages)
+                    storages.append(storage)
+                forward, backward = owners[label]
+                found.append(Flow(fqn, label, tuple(shape), x.dtype.itemsize, index,
+                                  tuple(forward), tuple(backward)))
+        return tuple(found)
