@@ -200,9 +200,9 @@ PURE = [
     ("transformers style unknown", lambda: tpfn.from_hf({"0": "fused"}, nn.Sequential(nn.Linear(2, 2))),
      PlanError, r"'0': unknown transformers style 'fused'; known: all_reduce, colwise, "),
     ("transformers style tpfn cannot express", lambda: tpfn.from_hf(
-        {"0": "mla_kv_a_proj"}, nn.Sequential(nn.Linear(2, 2))),
-     PlanError, r"a tpfn slot gives a whole tensor one layout, so leave this attention's "
-     r"projections out of the plan or write its plan by hand"),
+        {"0": "moe_identity_expert"}, nn.Sequential(nn.Linear(2, 2))),
+     PlanError, r"Layouts place values and never scale them .*; leave the experts module out "
+     r"of the plan \(replicated\) or compute the identity experts outside it"),
     ("transformers plan not a dict", lambda: tpfn.from_hf(["0"], nn.Sequential(nn.Linear(2, 2))),
      TypeError, exact("'tp_plan' must be a dict of name -> style string, as model.tp_plan "
                       "(got ['0'] that is a <class 'list'>).")),

@@ -17,13 +17,14 @@ from transformers import (
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 import tpfn
+from tests import hf_zoo
 from tests.models import clone, counts, max_rel_err, rel_err
 from tests.ranks import mesh
 from tpfn import (
     Partial, PlanError, Replicate, Shard, colwise, from_hf, on_shards, params,
     prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
 )
-from tpfn.adapters.from_hf import KNOWN
+from tpfn.adapters.from_hf import KNOWN, UNSUPPORTED
 
 TOL = 1e-5
 # How often a backward may reduce the partial gradients of replicated parameters (the
@@ -177,7 +178,7 @@ def test_qwen3_moe_plan_shards_experts_and_skips_what_a_variant_lacks():
     assert rules["model.layers.*.self_attn.q_norm"] == (
         replicate() >> on_shards(param_grads={"weight": Partial()}))
     # Only layer 0's MLP has gate and up projections to share an input gradient.
-    assert rules["model.layers.0.mlp"] == prepare_in(Replicate())
+    assert rules["model.layers.0.mlp"] == prepare_in(Replicate(), local=True)
     assert "model.layers.*.mlp" not in rules
     # Every layer sparse: the model's own rules for dense MLPs name nothing and are skipped.
     sparse = qwen3_moe()
@@ -213,7 +214,7 @@ class Attention(nn.Module):
         self.norm = nn.LayerNorm(8)
 
     def forward(self, x):
-        return x
+        return self.o_proj(self.q_proj(x) * self.k_proj(x))
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -248,6 +249,8 @@ def _style(string, fqn):
      prepare_in(Replicate()) >> params(weight=Shard(0)) >> prepare_out(Replicate())),
     ("embedding_colwise", "embed", colwise() >> prepare_out(Replicate())),
     ("packed_colwise", "attn.q_proj", colwise(parts=2)),
+    # transformers places the parameters and adds nothing: the module computes on DTensors
+    ("packed_rowwise", "mlp.fc", params(weight=Shard(1, parts=2), bias=Replicate())),
     ("sequence_parallel", "attn.norm", sequence_parallel(local=True)),
     ("replicated_with_grad_allreduce", "attn.norm",
      replicate() >> on_shards(param_grads={"weight": Partial(), "bias": Partial()})),
@@ -302,7 +305,7 @@ def test_parameters_keyed_under_their_module_are_local_shards_it_computes_with()
 def test_a_module_with_several_colwise_children_takes_its_input_replicated_once():
     two = from_hf({"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.o_proj": "rowwise",
                    "mlp.fc": "colwise"}, Block())
-    assert dict(two.rules)["attn"] == prepare_in(Replicate())
+    assert dict(two.rules)["attn"] == prepare_in(Replicate(), local=True)
     assert "mlp" not in dict(two.rules)  # one column-wise child: nothing to share
     keyed = from_hf({"attn": "local_params", "attn.q_proj": "colwise", "attn.k_proj": "colwise"},
                     Block())
@@ -319,19 +322,11 @@ def test_every_problem_in_a_plan_is_reported_at_once():
             "embed": "colwise",
             "attn.o_prj": "rowwise",
             "attn.sinks": "moe_tp_experts",
-            "mlp.fc": "packed_rowwise",
             "attn": "local",
         }, Block())
     assert e.value.problems == [
         f"'attn.q_proj': unknown transformers style 'fused_colwise'; known: {', '.join(KNOWN)}.",
-        "'attn.k_proj': transformers' 'mla_kv_a_proj' sums over the ranks the gradient of only "
-        "the last qk_rope_head_dim output features (the rotary keys, which bypass kv_b_proj); a "
-        "tpfn slot gives a whole tensor one layout, so leave this attention's projections out of "
-        "the plan or write its plan by hand.",
-        "'experts.identity': transformers' 'moe_identity_expert' divides its input by the mesh "
-        "size so that moe_tp_experts' sum counts it once; layouts place values and never scale "
-        "them, so compute the identity experts outside the experts module or leave the experts "
-        "out of the plan.",
+        f"'experts.identity': transformers' 'moe_identity_expert' {UNSUPPORTED['moe_identity_expert']}.",
         "'experts': transformers' 'ep_dispatch_experts' is expert parallelism (whole experts per "
         "rank, tokens sent between ranks), which tpfn does not do; shard the experts on their "
         "hidden dim instead: 'moe_tp_experts' on the experts module, 'packed_colwise' and "
@@ -344,9 +339,9 @@ def test_every_problem_in_a_plan_is_reported_at_once():
         "scale them. Key each parameter with a style.",
         "'embed' (Embedding) is 'colwise', which transformers applies to Linear modules; this is "
         "Embedding.",
-        "'mlp.fc' (Linear) is 'packed_rowwise', which places parameters (as on experts' "
-        "gate_up_proj under 'moe_tp_experts'); on a module transformers adds no input or output "
-        "handling. Key its parameters, or write rowwise(parts=2) in a tpfn plan.",
+        "'attn.k_proj' is 'mla_kv_a_proj', transformers' multi-head latent attention: its latent "
+        "goes through 'attn.kv_a_layernorm', a norm over the latent, to 'attn.kv_b_proj', keyed "
+        "'colwise'; it is missing. Key it 'colwise', or write the attention's plan by hand.",
     ]
 
 
@@ -392,11 +387,11 @@ def test_a_from_hf_plan_prints_one_rule_per_line_and_evaluates_back():
     assert repr(p) == """plan({
     'lm_head': colwise() >> prepare_out(Replicate()),
     'model.embed_tokens': rowwise(),
-    'model.layers.*.mlp': prepare_in(Replicate()),
+    'model.layers.*.mlp': prepare_in(Replicate(), local=True),
     'model.layers.*.mlp.down_proj': rowwise(),
     'model.layers.*.mlp.gate_proj': colwise(),
     'model.layers.*.mlp.up_proj': colwise(),
-    'model.layers.*.self_attn': prepare_in(Replicate()),
+    'model.layers.*.self_attn': prepare_in(Replicate(), local=True),
     'model.layers.*.self_attn.k_proj': colwise(),
     'model.layers.*.self_attn.o_proj': rowwise(),
     'model.layers.*.self_attn.q_proj': colwise(),
@@ -417,3 +412,195 @@ def test_one_rule_of_a_from_hf_plan_is_overridden_and_its_conflict_names_how():
     assert q.without("lm_head") == p.without("lm_head")
     assert dict(q.rules)["lm_head"] == colwise(local=False)
     assert [m.style for m in tpfn.resolve(q, model) if m.fqn == "lm_head"] == [colwise(local=False)]
+
+
+# -- multi-head latent attention ('mla_kv_a_proj') -----------------------------------------
+
+LATENT = {
+    "kv_a_proj_with_mqa": replicate() >> on_shards(Replicate(), grads=Partial(),
+                                                   param_grads={"weight": Partial()}),
+    "kv_a_layernorm": replicate() >> on_shards(param_grads={"weight": Partial()}),
+    "kv_b_proj": params(weight=Shard(0)) >> on_shards(None, output=Shard(-1)),
+}
+
+
+def _latent_attention(name, **overrides):
+    """tpfn's and transformers' own TP of the tiny model against one device: the errors,
+    the backward's collectives, and the plan."""
+    hf_zoo.quiet()
+    m = mesh(2)
+    model, inputs = hf_zoo.build(name, **overrides)
+    ref = clone(model)
+    torch.manual_seed(3)
+    cotangents = {}
+
+    def cotangent(y):
+        return cotangents.setdefault(y.shape, torch.randn(y.shape))
+
+    expected = hf_zoo.step(ref, inputs, cotangent)
+    found = {}
+    for key, parallel in (("tpfn", hf_zoo.with_tpfn), ("hf", hf_zoo.with_transformers)):
+        tp = parallel(clone(model), m)
+        out = {}
+        counts(lambda: out.setdefault("y", hf_zoo.step(tp, inputs, cotangent)))
+        run = hf_zoo.errors(tp, ref, out["y"], expected)
+        tp.zero_grad()
+        y = tp(**inputs).logits
+        found[key] = (hf_zoo.at_parity(run), hf_zoo.worst(run),
+                      counts(lambda: (y * cotangent(y)).sum().backward()))
+    return found, dict(from_hf(model.tp_plan, model).rules)
+
+
+def test_latent_attention_sums_the_gradient_of_the_whole_latent_once(ranks2):
+    found, rules = ranks2.run(_latent_attention, "minicpm3")[0]
+    attn = "model.layers.*.self_attn"
+    # The latent's gradient stays partial from kv_b_proj back through its norm; the
+    # projection sums it once, at its input and (with the norm's) its weight.
+    assert {k: rules[f"{attn}.{k}"] for k in LATENT} == LATENT
+    assert rules[f"{attn}.q_b_proj"] == colwise() and f"{attn}.q_a_proj" not in rules
+    # q_a_proj (plain) and kv_a_proj_with_mqa read the input: one replica, whose one
+    # reduction takes kv_a_proj's partial input gradient, q_a_proj's added whole
+    assert rules[attn] == prepare_in(Replicate(), local=True)
+    (mine, _, tp_counts), (theirs, _, hf_counts) = found["tpfn"], found["hf"]
+    assert mine and theirs, found
+    layers = 2
+    # Per layer: q_b_proj's and kv_a_proj's input, gate and up's shared one; + the head's
+    # input and one bucket of partial weight gradients. transformers: q_b_proj, kv_b_proj,
+    # the rotary keys, gate, up per layer, + the head's input.
+    assert tp_counts == {"all_reduce": 3 * layers + 2}
+    assert hf_counts == {"all_reduce": 5 * layers + 1}
+
+
+def test_latent_attention_with_queries_of_full_rank_and_experts_matches_single_device(ranks2):
+    found, rules = ranks2.run(_latent_attention, "deepseek_v2", q_lora_rank=None)[0]
+    attn = "model.layers.*.self_attn"
+    assert rules[f"{attn}.q_proj"] == colwise()
+    assert {k: rules[f"{attn}.{k}"] for k in LATENT} == LATENT
+    # q_proj and kv_a_proj_with_mqa take the input as it comes (q_a_proj, of the other
+    # branch, is None here): they share one replicated input and its gradient's all-reduce.
+    assert rules[attn] == prepare_in(Replicate(), local=True)
+    assert found["tpfn"][0] and found["hf"][0], found
+
+
+class Latent(nn.Module):
+    """Multi-head latent attention's projections, named as transformers names them."""
+
+    def __init__(self, norm=8):
+        super().__init__()
+        self.kv_a_proj_with_mqa = nn.Linear(8, 8 + 4, bias=False)
+        self.kv_a_layernorm = nn.LayerNorm(norm)
+        self.kv_b_proj = nn.Linear(8, 16, bias=False)
+
+
+@pytest.mark.parametrize("plan, module, problem", [
+    ({"kv_a_proj_with_mqa": "mla_kv_a_proj"}, Latent(),
+     "it is not in the plan. Key it 'colwise', or write the attention's plan by hand."),
+    ({"kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise"}, Latent(norm=12),
+     "its parameters do not match the 8 latent features, so the latent's path is not the one "
+     "'mla_kv_a_proj' is exact for; write the attention's plan by hand."),
+    ({"kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise",
+      "kv_a_layernorm": "sequence_parallel"}, Latent(),
+     "it is 'sequence_parallel'. Leave it out of the plan."),
+])
+def test_latent_attention_whose_latent_takes_another_path_is_refused(plan, module, problem):
+    with pytest.raises(PlanError) as e:
+        from_hf(plan, module)
+    assert e.value.problems == [
+        "'kv_a_proj_with_mqa' is 'mla_kv_a_proj', transformers' multi-head latent attention: "
+        "its latent goes through 'kv_a_layernorm', a norm over the latent, to 'kv_b_proj', "
+        f"keyed 'colwise'; {problem}"]
+
+
+# -- the shared input: only where the forward hands it straight to the projections -----------
+
+class Straight(nn.Module):
+    """Attention that hands its input straight to q, k and v."""
+
+    def __init__(self):
+        super().__init__()
+        # No bias on k: its gradient is zero up to rounding (a softmax ignores a shift).
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, 8, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, 2).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, 2).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, 2).transpose(1, 2)
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+class Prefixed(Straight):
+    """Attention that puts a learned context before its input, then projects."""
+
+    def __init__(self):
+        super().__init__()
+        self.context = nn.Parameter(torch.randn(1, 2, 8))
+
+    def forward(self, x):
+        x = torch.cat([self.context.expand(x.shape[0], -1, -1), x], dim=1)
+        return super().forward(x)[:, 2:]
+
+
+ATTENTION = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+             "attn.o_proj": "rowwise"}
+
+
+def _attention(kind):
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"attn": kind()})
+    plan = from_hf(ATTENTION, ref)
+    tp = tpfn.parallelize(clone(ref), mesh(2), plan)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = ref["attn"](x_ref)
+    expected.pow(2).sum().backward()
+    out = {}
+    comm = counts(lambda: out.setdefault("y", tp["attn"](x)).pow(2).sum().backward())
+    errors = [rel_err(out["y"], expected), rel_err(x.grad, x_ref.grad),
+              *max_rel_err(tp, ref, grads=True).values()]
+    shared = None
+    if kind is Prefixed:  # what the shared input would do to it
+        forced = tpfn.parallelize(clone(ref), mesh(2), plan.override({"attn": prepare_in(Replicate())}))
+        try:
+            forced["attn"](x)
+        except RuntimeError as e:
+            shared = str(e)
+    return dict(plan.rules).get("attn"), max(errors), comm, shared
+
+
+SHARED = prepare_in(Replicate(), local=True)
+
+
+def test_a_module_that_hands_its_input_to_its_projections_shares_one_input_gradient(ranks2):
+    style, error, comm, _ = ranks2.run(_attention, Straight)[0]
+    assert style == SHARED
+    assert error <= TOL
+    assert comm == {"all_reduce": 2}  # o_proj's sum; q, k and v's one input gradient
+
+
+def test_a_module_that_computes_on_its_input_first_shares_it_too(ranks2):
+    style, error, comm, as_dtensor = ranks2.run(_attention, Prefixed)[0]
+    # q, k and v read the concatenation, not the replica: each reduces its own input
+    # gradient, and the replica adds up their whole sums; the numbers are one device's
+    assert style == SHARED
+    assert error <= TOL
+    assert comm == {"all_reduce": 4}
+    assert "mixed torch.Tensor and DTensor" in as_dtensor  # what a shared DTensor would meet
+
+
+# -- plans that are wrong in transformers too ---------------------------------------------
+
+def test_verify_names_the_rule_a_plan_lacks_for_replicated_parameters_with_partial_gradients():
+    hf_zoo.quiet()
+    model, _ = hf_zoo.build("qwen3_vl_moe_text")   # its plan leaves q_norm and k_norm out
+    plan = from_hf(model.tp_plan, model)
+    report = tpfn.verify(model, plan, {"input_ids": (2, 8)})
+    assert not report.ok and report.culprit == "layers.1.self_attn.k_norm"
+    assert report.hint.endswith(
+        "The plan lacks replicate() >> on_shards(param_grads={'weight': Partial()}) (transformers: "
+        "'replicated_with_grad_allreduce'), which sums them, on 'layers.*.self_attn.q_norm' and "
+        "'layers.*.self_attn.k_norm'.")
+    fixed = {**model.tp_plan, "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+             "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+    assert tpfn.verify(model, from_hf(fixed, model), {"input_ids": (2, 8)}).ok

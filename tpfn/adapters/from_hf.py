@@ -12,17 +12,22 @@ architecture have (transformers skips those rules; so does ``from_hf``).
 >>> from_hf({"up": "colwise", "down": "rowwise"}, mlp)
 plan({'down': rowwise(), 'up': colwise()})
 
+Every string with a faithful tpfn meaning is read (docs/huggingface.md lists each as its
+tpfn composition); the others (``moe_identity_expert``, expert parallelism) are refused
+with the reason.
+
 Where several column-wise layers are children of one module (attention's q, k and v; an
-MLP's gate and up projections), that module takes its input as ``prepare_in(Replicate())``:
-the children share one all-reduce of their input's gradient (the Megatron minimum)
-instead of one each.
+MLP's gate and up projections), the module takes its input as one local replica,
+``prepare_in(Replicate(), local=True)``: the children's partial input gradients are summed
+and all-reduced once (the Megatron minimum) instead of one all-reduce each, and whatever
+else the forward does with its input (a context concatenated first, a plain projection)
+gets its whole gradient, added after the reduction.
 """
 
 from __future__ import annotations
-
 import torch.nn as nn
 
-from tpfn._fqn import generalize, matches
+from tpfn._fqn import generalize, join, matches
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
@@ -37,6 +42,7 @@ __all__ = ["from_hf", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
 
 _GATHERED = colwise() >> prepare_out(Replicate())
 _SPLIT_INPUT = prepare_in(Replicate()) >> rowwise()
+_SHARED = prepare_in(Replicate(), local=True)  # one replica for several column-wise children
 _REDUCED = prepare_out(Replicate(), given=Partial())
 
 # What a string does to a module it keys (transformers 5.24, then earlier releases);
@@ -93,11 +99,12 @@ PARAM_RULES = {
 _LOCAL = ("local_colwise", "local_rowwise", "local_packed_rowwise")
 
 # Strings that shard a module column-wise from a replicated input (their parent may share it).
-_CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+_CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "mla_kv_a_proj")
 
 _KINDS = {
     **dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
-                     "rowwise_split_input", "rowwise_rep", "packed_colwise"), nn.Linear),
+                     "rowwise_split_input", "rowwise_rep", "packed_colwise", "mla_kv_a_proj"),
+                    nn.Linear),
     "embedding_rowwise": nn.Embedding,
     "embedding_colwise": nn.Embedding,
 }
@@ -110,23 +117,71 @@ _EXPERT_PARALLEL = (
 
 # Strings whose meaning no tpfn style has: why, and what to do.
 UNSUPPORTED = {
-    "mla_kv_a_proj": (
-        "sums over the ranks the gradient of only the last qk_rope_head_dim output features "
-        "(the rotary keys, which bypass kv_b_proj); a tpfn slot gives a whole tensor one "
-        "layout, so leave this attention's projections out of the plan or write its plan by hand"
-    ),
     "moe_identity_expert": (
-        "divides its input by the mesh size so that moe_tp_experts' sum counts it once; "
-        "layouts place values and never scale them, so compute the identity experts outside "
-        "the experts module or leave the experts out of the plan"
+        "divides the identity experts' input by the mesh size, so that moe_tp_experts' sum of "
+        "partial outputs counts their replicated output once: their value and its gradient "
+        "scaled by 1/n inside the experts' computation. Layouts place values and never scale "
+        "them (no transition makes a replicated tensor one term of a sum, Replicate -> "
+        "Partial), so no tpfn style means it; leave the experts module out of the plan "
+        "(replicated) or compute the identity experts outside it"
     ),
     "grouped_gemm": _EXPERT_PARALLEL,
     "ep_router": _EXPERT_PARALLEL,
     "ep_dispatch_experts": _EXPERT_PARALLEL,
 }
 
-_BY_MODULE = ("replicated_with_grad_allreduce", "moe_tp_experts")
+# transformers' multi-head latent attention (DeepSeek-V2 and its kin): kv_a_proj_with_mqa's
+# output is the latent, which goes through the norm beside it to the column-wise
+# up-projection, and the rotary keys, which every local head reads. "mla_kv_a_proj" sums the
+# rotary keys' gradient over the ranks; tpfn sums the gradient of the whole output once, at
+# the projection's input and weight, and leaves the latent's gradient partial on its way back
+# (_latent). The norm and the up-projection are found by the names transformers gives them.
+_MLA_NORM, _MLA_UP = "kv_a_layernorm", "kv_b_proj"
+
+_BY_MODULE = ("replicated_with_grad_allreduce", "moe_tp_experts", "mla_kv_a_proj")
 KNOWN = sorted({*MODULE_STYLES, *_BY_MODULE, *PARAM_RULES, *UNSUPPORTED})
+
+
+def _partial_grads(module: nn.Module, *wants, grads=None):
+    """``module`` on local tensors (inputs ``wants``) with its own parameters replicated and
+    their gradients partial sums over the ranks."""
+    partial = {n: Partial() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    return replicate() >> on_shards(*wants, grads=grads, param_grads=partial)
+
+
+def _latent(fqn: str, modules: dict, keyed: dict, styles: dict, found: list):
+    """Beside ``fqn`` (keyed 'mla_kv_a_proj'), the latent's norm and column-wise
+    up-projection leave the latent's gradient partial: the norm's parameters' gradients
+    become partial sums, and the up-projection hands back its local input gradient unreduced.
+    Returns the up-projection's name (None after adding to ``found`` what prevents it)."""
+    parent = fqn.rpartition(".")[0]
+    norm, up = (join(parent, name) for name in (_MLA_NORM, _MLA_UP))
+    every = generalize if parent else str  # one problem for all the layers
+    rule = (f"{every(fqn)!r} is 'mla_kv_a_proj', transformers' multi-head latent "
+            f"attention: its latent goes through {every(norm)!r}, a norm over the "
+            f"latent, to {every(up)!r}, keyed 'colwise'; ")
+    if keyed.get(up) != "colwise" or not isinstance(modules[up], nn.Linear):
+        why = ("it is missing" if up not in modules else "it is not in the plan" if up not in keyed
+               else f"it is {keyed[up]!r}")
+        found.append(f"{rule}{why}. Key it 'colwise', or write the attention's plan by hand.")
+        return None
+    width = modules[up].in_features
+    sizes = None if norm not in modules else {
+        p.numel() for p in modules[norm].parameters(recurse=False)}
+    if sizes is None or not sizes <= {width} or width > modules[fqn].out_features:
+        why = ("it is missing" if sizes is None
+               else f"its parameters do not match the {width} latent features")
+        found.append(f"{rule}{why}, so the latent's path is not the one 'mla_kv_a_proj' is exact "
+                     "for; write the attention's plan by hand.")
+        return None
+    if keyed.get(norm) not in (None, "replicated_with_grad_allreduce"):
+        found.append(f"{rule}it is {keyed[norm]!r}. Leave it out of the plan.")
+        return None
+    if sizes:
+        styles[norm] = _partial_grads(modules[norm])
+    weights = {n: Shard(0) for n, _ in modules[up].named_parameters(recurse=False)}
+    styles[up] = params(**weights) >> on_shards(None, output=Shard(-1))
+    return up
 
 
 def _module_style(string, module: nn.Module, own: dict, where: str, found: list):
@@ -141,21 +196,19 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
                      f"{_KINDS[string].__name__} modules; this is {type(module).__name__}.")
         return None
     rest = [n for n, _ in module.named_parameters(recurse=False) if n not in own]
-    if string == "packed_rowwise":
-        found.append(f"{where} is 'packed_rowwise', which places parameters (as on experts' "
-                     "gate_up_proj under 'moe_tp_experts'); on a module transformers adds no input "
-                     "or output handling. Key its parameters, or write rowwise(parts=2) in a tpfn plan.")
-        return None
     if string == "local" and rest:
         found.append(f"{where} is 'local', which divides the parameters it owns ({', '.join(rest)}) "
                      "by the mesh size so that an all-reduce after it counts them once; layouts "
                      "place values and never scale them. Key each parameter with a style.")
         return None
-    if string in _LOCAL:
+    if string in _LOCAL or string == "packed_rowwise":
         placed.update({n: PARAM_RULES[string](n, module.get_parameter(n).dim()) for n in rest})
+    if string == "packed_rowwise":  # transformers places the parameters and nothing else
+        return params(**placed)
     if string == "replicated_with_grad_allreduce":
-        grads = {n: Partial() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        core = replicate() >> on_shards(param_grads=grads)
+        core = _partial_grads(module)
+    elif string == "mla_kv_a_proj":
+        core = _partial_grads(module, Replicate(), grads=Partial())
     elif string == "embedding_rowwise" and not meaning(rowwise().core, module, "", ()).local:
         # An embedding with its own forward (Gemma's scales its output) computes on DTensors,
         # which sum the vocabulary shards where they need to: take the output as it comes.
@@ -242,13 +295,15 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
         style = _module_style(keyed.get(fqn), modules[fqn], own.get(fqn, {}), where, found)
         if style is not None:
             styles[fqn] = style
+    latents = {_latent(f, modules, keyed, styles, found)
+               for f, string in keyed.items() if string == "mla_kv_a_proj"}
     if found:
-        raise PlanError(found)
+        raise PlanError(list(dict.fromkeys(found)))  # a problem of every layer, once
     consumers: dict = {}
     for fqn, string in keyed.items():
-        if string in _CONSUMERS and "." in fqn:
-            consumers.setdefault(fqn.rpartition(".")[0], []).append(fqn)
+        if string in _CONSUMERS and "." in fqn and fqn not in latents:
+            consumers.setdefault(fqn.rpartition(".")[0], []).append(fqn.rpartition(".")[2])
     for parent, children in consumers.items():
         if len(children) > 1 and parent not in styles:
-            styles[parent] = prepare_in(Replicate())
+            styles[parent] = _SHARED
     return plan(_spell(styles, modules))
