@@ -256,3 +256,17 @@ def test_the_reference_transformer_plan_moves_over_unchanged(ranks2):
     assert native == {"reduce_scatter": 11, "all_gather": 12, "all_reduce": 10}
     assert (mine["reduce_scatter"], mine["all_gather"]) == (11, 12)
     assert mine.get("all_reduce", 0) <= 10
+
+
+def test_no_plan_is_the_empty_plan_with_parallelize_modules_warning():
+    with pytest.warns(UserWarning, match=r"from_torch\(None\): no parallelize_plan, so the plan is "
+                                         r"empty and parallelize leaves the module as it is"):
+        empty = from_torch(None)
+    assert empty == tpfn.plan({})
+    from tpfn.dryrun import fake_mesh
+
+    mlp = nn.Sequential(nn.Linear(4, 4))
+    before = {n: p.detach().clone() for n, p in mlp.named_parameters()}
+    with pytest.warns(UserWarning):
+        assert tpfn.parallelize(mlp, fake_mesh(2), from_torch(None), src_rank=None) is mlp
+    assert all(type(p) is nn.Parameter and torch.equal(p, before[n]) for n, p in mlp.named_parameters())

@@ -23,6 +23,8 @@ rowwise()`` all-gathers token ids on an embedding, exactly as PyTorch does (give
 
 from __future__ import annotations
 
+import warnings
+
 from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -150,14 +152,20 @@ def plan_from_torch(torch_plan: dict) -> Plan:
     return plan(rules)
 
 
-def from_torch(value: ParallelStyle | dict | Placement | list | tuple) -> Style | Plan | tuple:
+def from_torch(value: ParallelStyle | dict | Placement | list | tuple | None) -> Style | Plan | tuple:
     """tpfn's value for a PyTorch one: a style object -> style, a ``parallelize_module``
-    plan (dict) -> plan, DTensor placements (one or a sequence) -> layout.
+    plan (dict) -> plan, DTensor placements (one or a sequence) -> layout; no plan (None) ->
+    the empty plan, with the warning ``parallelize_module`` gives.
 
     >>> from torch.distributed.tensor import Partial as TPartial
     >>> from_torch(TPartial("max"))
     (Partial(op='max'),)
     """
+    if value is None:  # parallelize_module(module, mesh) with no plan does nothing, and warns
+        warnings.warn("from_torch(None): no parallelize_plan, so the plan is empty and "
+                      "parallelize leaves the module as it is (as parallelize_module does).",
+                      stacklevel=2)
+        return plan({})
     if isinstance(value, ParallelStyle):
         return style_from_torch(value)
     if isinstance(value, dict):
