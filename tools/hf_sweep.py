@@ -1,7 +1,7 @@
 """Every transformers architecture that declares a tensor-parallel plan, on 2 gloo ranks:
 builds, tpfn at parity, transformers' own TP at parity, notes (``tests/hf_zoo.py``).
 
-    python tools/hf_sweep.py                 # all of them (about 3 minutes on 2 cores)
+    python tools/hf_sweep.py                 # all of them (under a minute on 2 quiet cores)
     python tools/hf_sweep.py llama qwen3     # some of them
     python tools/hf_sweep.py --docs          # and rewrite the table in docs/huggingface.md
     python tools/hf_sweep.py --json out.json # and save every run's errors
