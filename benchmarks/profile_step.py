@@ -96,24 +96,21 @@ def _build(model_name: str, sp: bool):
     return {"tpfn": tp, "hand-written": hand}
 
 
-CLOCK = [time.perf_counter]
-
-
-def _phased_step(model, opt, tokens, target, clock: dict | None):
+def _phased_step(model, opt, tokens, target, clock: dict | None, now=time.perf_counter):
     from torch.distributed.tensor.experimental import implicit_replication
 
     finish = getattr(model, "finish_backward", None)
-    t0 = CLOCK[0]()
+    t0 = now()
     opt.zero_grad(set_to_none=True)
     loss = step_time._loss(model, tokens, target)
-    t1 = CLOCK[0]()
+    t1 = now()
     loss.backward()
     if finish is not None:
         finish()
-    t2 = CLOCK[0]()
+    t2 = now()
     with implicit_replication():
         opt.step()
-    t3 = CLOCK[0]()
+    t3 = now()
     if clock is not None:
         clock["forward"].append(t1 - t0)
         clock["backward"].append(t2 - t1)
@@ -122,7 +119,7 @@ def _phased_step(model, opt, tokens, target, clock: dict | None):
 
 
 def _profile(model_name: str, sp: bool, steps: int, cpu: bool = False) -> dict:
-    CLOCK[0] = time.process_time if cpu else time.perf_counter
+    now = time.process_time if cpu else time.perf_counter
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -137,7 +134,8 @@ def _profile(model_name: str, sp: bool, steps: int, cpu: bool = False) -> dict:
     for i, (tokens, target) in enumerate(batches):  # 1. phases, interleaved
         for name in (list(models) if i % 2 else list(models)[::-1]):
             dist.barrier()
-            _phased_step(models[name], opts[name], tokens, target, clocks[name] if i >= 3 else None)
+            _phased_step(models[name], opts[name], tokens, target,
+                         clocks[name] if i >= 3 else None, now)
     phases = {k: {p: statistics.median(v) * 1e6 for p, v in c.items()} for k, c in clocks.items()}
 
     # 2. the optimizer alone on this rank's parameters (no collective: every gradient is

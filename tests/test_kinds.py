@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
-from tests.models import clone
+from tests.models import clone, rel_err
 from tests.ranks import mesh
 from tpfn import (
     Partial, PlanError, Replicate, Shard, colwise, on_shards, params, plan, prepare_in,
@@ -81,11 +81,6 @@ PLAN = plan({"up": colwise(), "down": rowwise(), "mlp": colwise()}) \
     .kind(FusedMLP, colwise=mlp_colwise)
 
 
-def _rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _block_at_tp2():
     torch.manual_seed(0)
     ref = Block().double()
@@ -98,11 +93,11 @@ def _block_at_tp2():
     counts = tpfn.trace.counts(mode)
     expected = ref(x)
     expected.pow(2).sum().backward()
-    errors = {"output": _rel_err(out, expected), "input.grad": _rel_err(x2.grad, x.grad)}
+    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
     for name, p in tp.named_parameters():
-        errors[name + ".grad"] = _rel_err(p.grad.full_tensor(), ref.get_parameter(name).grad)
+        errors[name + ".grad"] = rel_err(p.grad.full_tensor(), ref.get_parameter(name).grad)
     for name, b in tp.named_buffers():
-        errors[name] = _rel_err(b.full_tensor(), ref.get_buffer(name))
+        errors[name] = rel_err(b.full_tensor(), ref.get_buffer(name))
     counts["placements"] = {n: str(b.placements) for n, b in tp.named_buffers()}
     return errors, counts
 

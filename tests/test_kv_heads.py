@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
-from tests.models import clone
+from tests.models import clone, rel_err
 from tests.ranks import mesh
 from tpfn import PlanError, Replicate, Shard, colwise, prepare_in, rowwise
 from tpfn.interpret.layouts import layouts
@@ -45,11 +45,6 @@ PLAN = {"": prepare_in(Replicate()), "q_proj": colwise(), "k_proj": colwise(head
         "v_proj": colwise(heads=2), "o_proj": rowwise()}
 
 
-def _rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _two_kv_heads_at_tp4():
     torch.manual_seed(0)
     ref = GQA().double()
@@ -66,11 +61,11 @@ def _two_kv_heads_at_tp4():
         out = tp(x2)
     with CommDebugMode() as backward:
         out.sum().backward()
-    errors = {"output": _rel_err(out, expected), "input.grad": _rel_err(x2.grad, x.grad)}
+    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
     for name, p in tp.named_parameters():
         r = dict(ref.named_parameters())[name]
-        errors[name] = _rel_err(p.full_tensor(), r)
-        errors[name + ".grad"] = _rel_err(p.grad.full_tensor(), r.grad)
+        errors[name] = rel_err(p.full_tensor(), r)
+        errors[name + ".grad"] = rel_err(p.grad.full_tensor(), r.grad)
     placements = {n: p.grad.placements for n, p in tp.named_parameters() if n[0] in "kv"}
     return errors, tpfn.trace.counts(forward), tpfn.trace.counts(backward), placements
 
@@ -189,8 +184,8 @@ def _transformers_llama_at_tp4():
     logits, expected = tp(ids).logits, ref(ids).logits
     logits.pow(2).sum().backward()
     expected.pow(2).sum().backward()
-    errors = {"logits": _rel_err(logits, expected)}
-    errors.update({n: _rel_err(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad,
+    errors = {"logits": rel_err(logits, expected)}
+    errors.update({n: rel_err(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad,
                                ref.get_parameter(n).grad) for n, p in tp.named_parameters()})
     return errors
 

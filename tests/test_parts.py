@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
-from tests.models import clone
+from tests.models import clone, rel_err
 from tests.ranks import mesh
 from tpfn import PlanError, Replicate, Shard, checkpoint, colwise, prepare_in, prepare_out, rowwise
 from tpfn.dryrun import fake_mesh
@@ -48,11 +48,6 @@ QKV = (32, 16, 16)
 PLAN = {"qkv_proj": colwise(parts=QKV), "o_proj": rowwise()}
 
 
-def _rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _gqa_at_tp2():
     torch.manual_seed(0)
     ref = FusedGQA().double()
@@ -70,10 +65,10 @@ def _gqa_at_tp2():
     with CommDebugMode() as backward:
         out.sum().backward()
     placed = layouts(tp)
-    errors = {"output": _rel_err(out, expected), "input.grad": _rel_err(x2.grad, x.grad)}
+    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
     for name, p in tp.named_parameters():
-        errors[name] = _rel_err(full_value(p, placed.get(name)), dict(ref.named_parameters())[name])
-        errors[name + ".grad"] = _rel_err(full_value(p.grad, placed.get(name)),
+        errors[name] = rel_err(full_value(p, placed.get(name)), dict(ref.named_parameters())[name])
+        errors[name + ".grad"] = rel_err(full_value(p.grad, placed.get(name)),
                                           dict(ref.named_parameters())[name].grad)
     return errors, tpfn.trace.counts(forward), tpfn.trace.counts(backward)
 
@@ -245,8 +240,8 @@ def _two_paths():
     expected = ref(x)
     expected.pow(2).sum().backward()
     placed = layouts(tp)
-    errors = {"output": _rel_err(out, expected)}
-    errors.update({n: _rel_err(full_value(p.grad, placed.get(n)), ref.get_parameter(n).grad)
+    errors = {"output": rel_err(out, expected)}
+    errors.update({n: rel_err(full_value(p.grad, placed.get(n)), ref.get_parameter(n).grad)
                    for n, p in tp.named_parameters()})
     return errors, tpfn.trace.counts(mode), placed
 

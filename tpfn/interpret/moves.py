@@ -242,11 +242,15 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
     key = (src, dst, grad, shape, x.dtype)
     steps = cache.get(key)
     if steps is None:
-        steps = cache[key] = _steps(mesh, src, dst, grad, shape, x.dtype)
-    forward, backward = steps
+        forward, backward = _steps(mesh, src, dst, grad, shape, x.dtype)
+        # reader: a replica whose gradient comes back partial, so maybe a shared one's reader
+        reader = forward is None and backward is not None and \
+            _partial_to_replica(src, grad, len(shape))
+        steps = cache[key] = (forward, backward, reader)
+    forward, backward, reader = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
         return forward(x, what) if forward else x
-    if forward is None and backward is not None and _partial_to_replica(src, grad, x.ndim):
+    if reader:
         node = _sharer(x, mesh)
         if node is not None:
             return _Contribute.apply(x, node.inbox)
