@@ -482,9 +482,6 @@ WHY = {
     "muse_spark_text": "as inkling_text: a norm inside the vocabulary-parallel embedding's forward",
     "t5gemma2_text": "its scaled embedding writes a plain tensor into its vocabulary-parallel "
                      "lookup (`index_put_`) inside its own forward",
-    "longcat_flash": "`moe_identity_expert` scales the identity experts' input by 1/n inside "
-                     "`moe_tp_experts`; no tpfn layout scales a value (Replicate -> Partial is "
-                     "refused), so from_hf refuses the plan",
     "glm5_next_text": "its plan's `layers.*.self_attn.o_proj: rowwise` takes the o_proj of its "
                       "linear-attention layers too, whose inputs nothing in the plan shards",
     "neomme": "its exclusive self-attention's per-head `alpha` (one per head of the model) "

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests import virtual
 from tests.strategies import heads, layouts, setups
 from tpfn.algebra import (
-    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Step,
+    AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Split, Step,
     comm_bytes, cotangent, local_shape, pullback, shard_ranges, transition,
 )
 from tpfn.layout import Partial, Replicate, Shard, normalize
@@ -85,7 +85,8 @@ def test_transition_preserves_the_value(problem):
 @given(problems(n_layouts=3))
 def test_composition_equals_the_direct_transition(problem):
     t, mesh_shape, (a, b, c), seed = problem
-    assume(legal(a, b) and legal(b, c) and not isinstance(c[0], Partial))
+    # a -> c may be illegal where b -> c splits a replica that a does not hold (a shard).
+    assume(legal(a, b) and legal(b, c) and legal(a, c) and not isinstance(c[0], Partial))
     held = virtual.scatter(t, a, mesh_shape, seed)
     via_b = virtual.execute(transition(b, c, ndim=t.dim()),
                             virtual.execute(transition(a, b, ndim=t.dim()), held, mesh_shape),
@@ -190,7 +191,8 @@ def test_symbolic_cost_agrees_with_the_numeric_one(problem):
 @given(st.integers(1, 3).flatmap(lambda n: st.tuples(layouts(n, unequal=True), layouts(n, unequal=True))))
 def test_illegal_transitions_are_rejected(pair):
     src, dst = pair
-    creates = any(isinstance(d, Partial) and s != d for s, d in zip(src, dst))
+    creates = any(isinstance(d, Partial) and s != d and not isinstance(s, Replicate)
+                  for s, d in zip(src, dst))
     if creates:
         with pytest.raises(ValueError, match="no transition turns"):
             transition(src, dst)
@@ -200,7 +202,8 @@ def test_illegal_transitions_are_rejected(pair):
 
 def test_illegal_transition_messages_state_the_rule():
     with pytest.raises(ValueError, match=r"turns Shard\(dim=0\) into Partial\(\) on mesh dim 0: "
-                       r"Partial values arise only from computation"):
+                       r"Partial values arise only from computation .* or from a replica split "
+                       r"into terms \(Replicate\(\) -> Partial\(\)\); a shard is neither"):
         transition(Shard(0), Partial())
     with pytest.raises(ValueError, match=r"terms pending a 'sum' reduction are not terms of a 'max'"):
         transition((Replicate(), Partial("sum")), (Replicate(), Partial("max")))
@@ -218,6 +221,16 @@ def test_one_step_per_kind_on_a_1d_mesh():
     assert transition(Replicate(), Shard(1)) == (Chunk(1),)
     assert transition(Shard(-1), Shard(1), ndim=2) == ()
     assert transition(Shard(-1), Shard(1)) == (AllToAll(-1, 1),)
+
+
+def test_a_replica_splits_into_terms_locally_as_dtensor_does():
+    assert transition(Replicate(), Partial()) == (Split(),)
+    assert transition(Replicate(), Partial("max")) == (Split("max"),)
+    assert transition((Shard(0), Replicate()), (Shard(0), Partial())) == (
+        Split(mesh_dim=1, sharded_by=(0,)),)
+    assert comm_bytes(transition(Replicate(), Partial()), (8,), (2,), 4) == 0
+    with pytest.raises(ValueError, match=r"not terms of a 'max' reduction"):
+        transition(Partial(), Partial("max"))
 
 
 def test_packed_shards_move_through_replicate_as_dtensor_does():
@@ -271,6 +284,37 @@ def test_pullback_lands_on_the_cotangent_of_the_source(pair):
         got[step.mesh_dim] = step.dst
     assert tuple(got) == cotangent(normalize(src, 3))
     assert all(not isinstance(p, Partial) for p in got)
+
+
+def test_a_split_pulls_back_to_nothing_or_to_a_split():
+    whole = Replicate()  # the gradient of a Partial value: cotangent(Partial())
+    assert pullback(Replicate(), Partial(), whole) == ()  # DTensor's: the whole gradient
+    assert pullback(Replicate(), Partial(), whole, to=Partial()) == (Split(),)
+    assert pullback(Replicate(), Replicate(), Partial(), to=Partial()) == ()  # terms stay terms
+    with pytest.raises(ValueError, match=r"lands in \(Shard\(dim=0\),\) or, where it is "
+                       r"replicated, as terms \(Partial\(\)\); not in \(Partial\(\),\)"):
+        pullback(Shard(0), Replicate(), to=Partial())
+
+
+# Law 5, with terms: a gradient may land as terms of a sum wherever the source is replicated,
+# and holds the same value there.
+@given(problems(), st.data())
+def test_pullback_to_terms_lands_there_with_the_gradients_value(problem, data):
+    t, mesh_shape, (src, dst), seed = problem
+    assume(legal(src, dst))
+    land = cotangent(normalize(src, t.dim()))
+    terms = data.draw(st.lists(st.booleans(), min_size=len(land), max_size=len(land)))
+    to = tuple(Partial() if isinstance(p, Replicate) and b else p for p, b in zip(land, terms))
+    grad = cotangent(normalize(dst, t.dim()))
+    assume(legal(grad, to))  # no transition splits a shard: it is gathered first
+    steps = pullback(src, dst, grad, to=to, ndim=t.dim())
+    got = list(grad)
+    for step in steps:  # replay the placement each step leaves on its mesh dim
+        assert got[step.mesh_dim] == normalize(step.src, t.dim())[0]
+        got[step.mesh_dim] = normalize(step.dst, t.dim())[0]
+    assert tuple(got) == to
+    held = virtual.execute(steps, virtual.scatter(t, grad, mesh_shape, seed), mesh_shape)
+    torch.testing.assert_close(virtual.gather(held, to, mesh_shape), t)
 
 
 def test_unequal_parts_move_through_replicate_as_equal_ones_do():

@@ -4,7 +4,9 @@ Every pair of 1-D placements (packed shards included) on 2 gloo ranks, and every
 {Shard(0), Shard(1), Replicate(), Partial()} on a 2x2 mesh of 4 ranks, even and uneven
 shapes: the collectives counted under ``CommDebugMode`` are exactly those the algebra
 predicts, each rank's local tensor is what the virtual mesh predicts, and the backward
-runs exactly ``pullback``'s collectives.
+runs exactly ``pullback``'s collectives. A replica split into terms (``Replicate() ->
+Partial()``), which DTensor's public ``redistribute`` keeps internal, is checked against its
+local move (``redistribute_local_tensor``): no collective, the virtual mesh's terms.
 """
 
 import itertools
@@ -18,7 +20,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from tests import virtual
 from tests.ranks import mesh
 from tpfn import trace
-from tpfn.algebra import pullback, transition
+from tpfn._torch import DTensorSpec, redistribute_local_tensor, spec_of
+from tpfn.algebra import Split, pullback, transition
 from tpfn.layout import Partial, Replicate, Shard, normalize, to_torch
 
 PLACEMENTS_1D = [Shard(0), Shard(1), Shard(-1), Replicate(),
@@ -70,6 +73,16 @@ def _check_pairs(mesh_shape, layouts, shapes, with_backward):
         local = held[coord].clone().requires_grad_(with_backward)
         d = DTensor.from_local(local, device_mesh, to_torch(src), run_check=False,
                                shape=t.shape, stride=t.stride())
+        if any(isinstance(s, Split) for s in steps):
+            # DTensor's redistribute keeps Replicate -> Partial internal: its local move.
+            with CommDebugMode() as fwd:
+                out = redistribute_local_tensor(local.detach(), spec_of(d), DTensorSpec(
+                    device_mesh, to_torch(normalize(dst, t.dim())), tensor_meta=spec_of(d).tensor_meta))
+            if trace.counts(fwd) != expected(steps):
+                problems.append(f"{shape} {src} -> {dst}: DTensor issued {trace.counts(fwd)}")
+            if not torch.allclose(out, want):
+                problems.append(f"{shape} {src} -> {dst}: local value differs from the virtual mesh")
+            continue
         with CommDebugMode() as fwd:
             out = d.redistribute(device_mesh, to_torch(dst))
         got = trace.counts(fwd)

@@ -71,9 +71,10 @@ PURE = [
     ("torch placement unknown", lambda: from_torch(TPartial("product")), ValueError,
      r"^Partial\(product\) has no tpfn layout: tpfn knows Shard, Replicate and Partial with op in "
      r"\('sum', 'avg', 'max', 'min'\); redistribute the DTensor to one of those first\.$"),
-    ("transition creates partial", lambda: transition(Replicate(), Partial()), ValueError,
-     r"^no transition turns Replicate\(\) into Partial\(\) on mesh dim 0: Partial values arise "
-     r"only from computation .* Ask for Replicate\(\) or Shard\(dim\) instead\.$"),
+    ("transition creates partial", lambda: transition(Shard(0), Partial()), ValueError,
+     r"^no transition turns Shard\(dim=0\) into Partial\(\) on mesh dim 0: Partial values arise "
+     r"only from computation .* Ask for Replicate\(\) or Shard\(dim\) instead, or replicate "
+     r"it first\.$"),
     ("transition changes reduction", lambda: transition(Partial(), Partial("max")), ValueError,
      r"terms pending a 'sum' reduction are not terms of a 'max' reduction\. Reduce first"),
     ("layout mixes reductions", lambda: transition((Partial(), Partial("max")), (Replicate(),) * 2),
@@ -200,9 +201,11 @@ PURE = [
     ("transformers style unknown", lambda: tpfn.from_hf({"0": "fused"}, nn.Sequential(nn.Linear(2, 2))),
      PlanError, r"'0': unknown transformers style 'fused'; known: all_reduce, colwise, "),
     ("transformers style tpfn cannot express", lambda: tpfn.from_hf(
+        {"0": "grouped_gemm"}, nn.Sequential(nn.Linear(2, 2))),
+     PlanError, r"is expert parallelism .*; shard the experts on their hidden dim instead"),
+    ("identity experts outside experts", lambda: tpfn.from_hf(
         {"0": "moe_identity_expert"}, nn.Sequential(nn.Linear(2, 2))),
-     PlanError, r"Layouts place values and never scale them .*; leave the experts module out "
-     r"of the plan \(replicated\) or compute the identity experts outside it"),
+     PlanError, r"its module \(the model\) is not in the plan\. Key it 'moe_tp_experts'\."),
     ("transformers plan not a dict", lambda: tpfn.from_hf(["0"], nn.Sequential(nn.Linear(2, 2))),
      TypeError, exact("'tp_plan' must be a dict of name -> style string, as model.tp_plan "
                       "(got ['0'] that is a <class 'list'>).")),

@@ -120,3 +120,53 @@ def test_a_fault_before_any_collective_tpfn_issues_is_named_on_the_other_ranks(w
         raised, message = ranks.run(_fault_in, where)
     assert raised == "raised", raised
     assert message.startswith(f"rank 1: {what}: "), message
+
+
+def _fault_in_save(how: str, path: str):
+    """Rank 0 writes its shards of a checkpoint, then raises or dies; rank 1 names the barrier
+    it waited at. The checkpoint's barriers run on the default group: its timeout is made
+    short here (these ranks are the test's own)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT))
+    model = tpfn.parallelize(nn.Linear(4, 8), DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                             colwise())
+    if dist.get_rank() == 0:
+        write = torch.distributed.checkpoint.save
+
+        def write_then_fail(*args, **kwargs):
+            write(*args, **kwargs)
+            if how == "dies":
+                os._exit(1)
+            raise ValueError("rank 0 fails after writing its shards")
+
+        torch.distributed.checkpoint.save = write_then_fail
+    start = time.monotonic()
+    try:
+        tpfn.checkpoint.save(path, model)
+    except ValueError:
+        return "raised"
+    except tpfn.CollectiveError as error:
+        return time.monotonic() - start, str(error)
+    return "finished"
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_rank_that_fails_mid_save_stops_the_others_at_the_checkpoint_barrier(how, tmp_path):
+    """The other ranks fail within the timeout, naming the barrier and the checkpoint; the
+    previous checkpoint (none here) is untouched: the write went to PATH.partial."""
+    path = str(tmp_path / "step-3")
+    with Ranks(2, grace=2 * TIMEOUT + 5) as ranks:
+        if how == "raises":
+            results = ranks.run(_fault_in_save, how, path)
+        else:
+            with pytest.raises(RankError, match="rank 0 died") as info:
+                ranks.run(_fault_in_save, how, path)
+            results = [None, info.value.results[1]]
+    if how == "raises":
+        assert results[0] == "raised"
+    waited, message = results[1]
+    assert waited < TIMEOUT + 5
+    assert message.startswith(
+        f"rank 1: the barrier after writing the shards of checkpoint {path!r} failed: "), message
+    assert not os.path.exists(path)

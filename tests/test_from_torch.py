@@ -42,12 +42,12 @@ S, R = TShard, TReplicate
     (SequenceParallel(), sequence_parallel()),
     (SequenceParallel(sequence_dim=0, use_local_output=True), sequence_parallel(0, local=True)),
     (PrepareModuleInput(input_layouts=S(1), desired_input_layouts=R()),
-     prepare_in(Shard(1), desired=Replicate())),
+     prepare_in(Shard(1), desired=Replicate(), arity=1)),
     (PrepareModuleInput(input_layouts=(S(0), None), desired_input_layouts=(R(), None),
                         use_local_output=True),
-     prepare_in(Shard(0), None, desired=(Replicate(), None), local=True)),
+     prepare_in(Shard(0), None, desired=(Replicate(), None), local=True, arity=2)),
     (PrepareModuleInput(input_layouts=(None, S(0)), desired_input_layouts=(R(), None)),
-     prepare_in(None, Shard(0))),  # no given layout: left alone, whatever is desired
+     prepare_in(None, Shard(0), arity=2)),  # no given layout: left alone, whatever is desired
     (PrepareModuleInput(input_kwarg_layouts={"x": S(0), "mask": None, "y": R()},
                         desired_input_kwarg_layouts={"x": R(), "mask": R(), "z": R()}),
      prepare_in(kwargs={"x": (Shard(0), Replicate()), "y": Replicate()})),
@@ -58,7 +58,8 @@ S, R = TShard, TReplicate
      prepare_out(Replicate(), None, given=(Partial(), None), local=False)),
     (PrepareModuleInputOutput(input_layouts=S(0), desired_input_layouts=R(), use_local_input=True,
                               output_layouts=R(), desired_output_layouts=S(1)),
-     prepare_in(Shard(0), desired=Replicate(), local=True) >> prepare_out(Shard(1), given=Replicate())),
+     prepare_in(Shard(0), desired=Replicate(), local=True, arity=1)
+     >> prepare_out(Shard(1), given=Replicate())),
     (PrepareModuleInputOutput(input_kwarg_layouts={"y": S(0)}, desired_input_kwarg_layouts={"y": R()},
                               output_layouts=S(0), desired_output_layouts=S(0),
                               use_local_output=False),
@@ -75,7 +76,7 @@ def test_from_torch_takes_placements_styles_and_plans():
     assert from_torch(ColwiseParallel()) == colwise()
     assert from_torch({"w1": ColwiseParallel(), "": PrepareModuleInput(
         input_layouts=S(1), desired_input_layouts=R())}) == tpfn.plan({
-            "w1": colwise(), "": prepare_in(Shard(1), desired=Replicate())})
+            "w1": colwise(), "": prepare_in(Shard(1), desired=Replicate(), arity=1)})
     with pytest.raises(TypeError, match="from_torch takes a PyTorch ParallelStyle, a "
                                         r"parallelize_module plan \(dict\) or DTensor placements"):
         from_torch("colwise")
@@ -98,6 +99,52 @@ def test_a_style_tpfn_cannot_convert_is_an_error_naming_it():
     ]
     with pytest.raises(TypeError, match="the style is a .*TensorParallelForExpert, which tpfn"):
         from_torch(TensorParallelForExpert())
+
+
+def _arity():
+    """PyTorch's PrepareModuleInput with one input layout on a module of two inputs: native
+    and the converted plan refuse two positional inputs alike; one, or the second by keyword,
+    runs; tpfn's own prepare_in(Shard(0)) hands the second input on as it is."""
+    m, torch_style = mesh(2), PrepareModuleInput(input_layouts=S(0), desired_input_layouts=R())
+    torch.manual_seed(0)
+    ref = TwoInputs()
+    nat = parallelize_module(clone(ref), m, {"": torch_style, "linear": ColwiseParallel()})
+    tp = tpfn.parallelize(clone(ref), m, from_torch({"": torch_style, "linear": ColwiseParallel()}))
+    own = tpfn.parallelize(clone(ref), m, {"": prepare_in(Shard(0), desired=Replicate(), local=True),
+                                           "linear": colwise()})
+    x, y = torch.randn(2, 8), torch.randn(4, 4)  # this rank's rows of x; y: the local width
+    found = {}
+    for name, model in (("native", nat), ("tpfn", tp)):
+        try:
+            model(x, y)
+        except ValueError as e:
+            found[name] = (type(e).__name__, str(e))
+    expected = nat(x, y=y)
+    return found, torch.equal(tp(x, y=y), expected), torch.equal(own(x, y), expected)
+
+
+def test_prepare_module_inputs_count_of_positional_inputs_holds_after_from_torch(ranks2):
+    for found, agree, own in ranks2.run(_arity):
+        assert found["native"] == ("ValueError", "module inputs and input_layouts should have same length!")
+        kind, message = found["tpfn"]
+        assert kind == "LayoutError" and message == (
+            "'<root>' (TwoInputs) is called with 2 positional inputs, but its plan takes exactly "
+            "1 (prepare_in(..., arity=1): PyTorch's PrepareModuleInput takes one input layout "
+            "per positional input); give one layout per positional input (None leaves that "
+            "input alone), or pass the other inputs by keyword.")
+        assert agree  # the second input by keyword: both run, with the same numbers
+        assert own    # tpfn's prepare_in declares one input and leaves the second alone
+
+
+def test_arity_prints_and_is_checked_when_built():
+    assert repr(prepare_in(Shard(0), None, arity=2)) == "prepare_in(Shard(dim=0), arity=2)"
+    assert repr(prepare_in(Shard(0))) == "prepare_in(Shard(dim=0))"
+    assert (prepare_in(Shard(0), arity=2) >> colwise()).normal.inputs.arity == 2
+    with pytest.raises(ValueError, match=r"'arity' must be at least the number of positional "
+                                         r"layouts, 2 \(got 1\)"):
+        prepare_in(Shard(0), Shard(1), arity=1)
+    with pytest.raises(TypeError, match="'arity' must be None or an int >= 0"):
+        prepare_in(Shard(0), arity=True)
 
 
 # PyTorch's own reference plans (its TP tests and Transformer.parallelize), each with the
@@ -241,10 +288,22 @@ def _agrees_with_native(case):
     return comm, nat_comm
 
 
+# Cases whose inputs are pieces the caller cut (a plain tensor under a Shard layout) that the
+# plan moves or makes a DTensor: per piece, tpfn's ranks exchange their local shapes (one
+# all-gather of a few ints), where native assumes an even split (and errs on 7 as 4 and 3).
+HAND_CUT = {"mlp_sharded_rows": 1, "embedding_rowwise_default_ids": 1,
+            "prepare_input_two_inputs": 1, "prepare_input_kwargs": 2, "prepare_input_output": 1,
+            "sequence_parallel_layernorm": 1}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_pytorch_reference_plans_give_natives_numbers_with_no_more_communication(ranks2, case):
     # Outputs, gradients and the parameters after an SGD step are bit-identical (in-rank).
     mine, native = ranks2.run(_agrees_with_native, case)[0]
+    if case in HAND_CUT:
+        assert mine["all_gather"] >= HAND_CUT[case]
+        mine = {**mine, "all_gather": mine["all_gather"] - HAND_CUT[case]}
+        mine = {k: n for k, n in mine.items() if n}
     assert set(mine) <= set(native) and all(mine.get(k, 0) <= n for k, n in native.items()), \
         (mine, native)
 

@@ -317,7 +317,7 @@ def test_every_problem_in_a_plan_is_reported_at_once():
         from_hf({
             "attn.q_proj": "fused_colwise",
             "attn.k_proj": "mla_kv_a_proj",
-            "experts.identity": "moe_identity_expert",
+            "experts.identity": "grouped_gemm",
             "experts": "ep_dispatch_experts",
             "embed": "colwise",
             "attn.o_prj": "rowwise",
@@ -326,7 +326,7 @@ def test_every_problem_in_a_plan_is_reported_at_once():
         }, Block())
     assert e.value.problems == [
         f"'attn.q_proj': unknown transformers style 'fused_colwise'; known: {', '.join(KNOWN)}.",
-        f"'experts.identity': transformers' 'moe_identity_expert' {UNSUPPORTED['moe_identity_expert']}.",
+        f"'experts.identity': transformers' 'grouped_gemm' {UNSUPPORTED['grouped_gemm']}.",
         "'experts': transformers' 'ep_dispatch_experts' is expert parallelism (whole experts per "
         "rank, tokens sent between ranks), which tpfn does not do; shard the experts on their "
         "hidden dim instead: 'moe_tp_experts' on the experts module, 'packed_colwise' and "

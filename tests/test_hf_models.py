@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+import tpfn
 from tests import hf_zoo
 
 # One architecture per family, for what it adds, and whether tpfn is at parity on it.
@@ -38,7 +39,7 @@ FAMILIES = {
     "apertus": ("a plan that lacks a rule: an activation's parameters between colwise and "
                 "rowwise", False),
     "sarvam_moe": ("a plan that lacks a rule: per-head norms left out", False),
-    "longcat_flash": ("moe_identity_expert, which no tpfn style means", False),
+    "longcat_flash": ("moe_identity_expert: identity experts as terms of the experts' sum", True),
     "esmc": ("norms over all features of a colwise projection: wrong in transformers too", False),
     "gemma4_vision": ("a vision encoder: no token ids", None),
 }
@@ -67,9 +68,7 @@ def test_tpfn_is_at_parity_on_each_family_it_expects(sweep):
 def test_tpfn_is_at_parity_wherever_transformers_own_tp_is(sweep):
     theirs = [n for n, f in sweep.items() if hf_zoo.at_parity(f.get("hf"), hf_zoo.tolerance(f))]
     behind = [n for n in theirs if not hf_zoo.at_parity(sweep[n]["tpfn"], hf_zoo.tolerance(sweep[n]))]
-    # LongCat-Flash's identity experts are scaled by 1/n inside the experts, which no layout
-    # says: from_hf refuses the plan by name (below) rather than compute wrongly.
-    assert behind == ["longcat_flash"]
+    assert behind == []
     assert {"llama4_text"} <= {n for n, f in sweep.items()
                               if not f["skip"] and not hf_zoo.at_parity(f["hf"])} - set(behind)
 
@@ -82,10 +81,11 @@ def test_a_plan_that_lacks_a_rule_is_found_by_its_gradients_and_at_parity_with_i
         assert module in mine["fixed"]["rules"] and hf_zoo.at_parity(mine["fixed"]), name
 
 
-def test_moe_identity_expert_is_refused_by_name(sweep):
-    assert sweep["longcat_flash"]["tpfn"]["error"].startswith(
-        "PlanError: 'model.layers.*.mlp.experts.identity_expert': transformers' "
-        "'moe_identity_expert' divides the identity experts' input by the mesh size")
+def test_moe_identity_expert_hands_its_input_on_as_terms():
+    model, _ = hf_zoo.build("longcat_flash")
+    rules = dict(tpfn.from_hf(model.tp_plan, model).rules)
+    assert repr(rules["model.layers.*.mlp.experts.identity_expert"]) == (
+        "prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)")
 
 
 def test_an_ill_conditioned_model_is_held_to_its_own_rounding(sweep):

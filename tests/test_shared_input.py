@@ -83,9 +83,10 @@ def test_a_shared_replica_reduces_its_readers_gradients_once(ranks2):
     assert cases["behind backward hooks"][0] == {"all_reduce": 2}
     assert cases["behind backward hooks"][2] == 3  # the user's hooks ran
     assert cases["as DTensors"][0] == {"all_reduce": 2}
-    # all-gather forward; reduce-scatter of the summed partial gradients backward
+    # all-gather forward (after the ranks exchange the hand-split input's local shapes, a
+    # second all-gather); reduce-scatter of the summed partial gradients backward
     assert cases["gathered from a sequence shard"][0] == {
-        "all_gather": 1, "all_reduce": 1, "reduce_scatter": 1}
+        "all_gather": 2, "all_reduce": 1, "reduce_scatter": 1}
 
 
 def _twice():

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from tpfn.algebra import AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, transition
+from tpfn.algebra import AllGather, AllReduce, AllToAll, Chunk, ReduceScatter, Split, transition
 from tpfn.layout import Partial, Replicate, Shard, normalize
 
 
@@ -89,6 +89,8 @@ def _run_step(step, group: list) -> list:
         return chunks(torch.cat(group, step.src_dim), step.dst_dim, k)
     if isinstance(step, Chunk):
         return [chunks(t, step.dim, k, step.parts)[c] for c, t in enumerate(group)]
+    if isinstance(step, Split):  # n equal terms of a sum; every copy for avg, max, min
+        return [t / k if step.op == "sum" else t for t in group]
     raise TypeError(f"not a step: {step!r}")
 
 

@@ -11,6 +11,11 @@ from torch._C._distributed_c10d import (  # noqa: F401
     _resolve_process_group as resolve_process_group,
     _unregister_process_group as unregister_process_group,
 )
+from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+# per_rank(fn): ``fn`` run once per rank that ``LocalTensorMode`` simulates in one process, on
+# that rank's values of the tensors and ints that differ by rank (else called as it is): what
+# depends on the rank (its chunk of a replica), computed without communication.
+from torch.distributed._local_tensor import maybe_run_for_local_tensor as per_rank  # noqa: F401
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
@@ -24,7 +29,8 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
     "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
     "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "swap_in_place",
-    "in_a_graph", "local_tensor", "spec_of", "keep_mesh", "next_sequence_nr",
+    "in_a_graph", "local_tensor", "spec_of", "keep_mesh", "next_sequence_nr", "per_rank",
+    "rank_sizes", "simulated_shapes", "parameter",
 ]
 
 
@@ -58,6 +64,33 @@ def queue_callback(fn) -> None:
 def next_sequence_nr() -> int:
     """The sequence number autograd gives the next node made on this thread (none is made)."""
     return torch._C._autograd._get_sequence_nr()
+
+
+def rank_sizes(shape) -> tuple:
+    """``shape`` as a hashable tuple: a size that differs by rank under ``LocalTensorMode``
+    (an uneven shard) as the ``(rank, size)`` pairs of its ranks."""
+    return tuple(tuple(sorted(s.node._local_ints.items()))
+                 if isinstance(s, torch.SymInt) and isinstance(s.node, LocalIntNode) else s
+                 for s in shape)
+
+
+def simulated_shapes(shape) -> list | None:
+    """Under ``LocalTensorMode``, the local ``shape`` of every rank it simulates, in rank
+    order (what an all-gather of the ranks' local shapes gives); None outside it."""
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return None
+    return [tuple(s.node._local_ints[r] if isinstance(s, torch.SymInt)
+                  and isinstance(s.node, LocalIntNode) else int(s) for s in shape)
+            for r in sorted(mode.ranks)]
+
+
+def parameter(module: nn.Module, name: str):
+    """The parameter ``name`` (dotted) of ``module``, read from its owner's ``_parameters``:
+    ``Module.get_parameter`` rejects one deep-copied under ``LocalTensorMode`` (a
+    ``LocalTensor`` that no longer says it is a parameter)."""
+    owner, _, leaf = name.rpartition(".")
+    return module.get_submodule(owner)._parameters[leaf]
 
 
 def local_tensor(dt):

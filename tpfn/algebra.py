@@ -18,6 +18,8 @@ Pure functions over layouts and shapes; no process group is involved.
 (ReduceScatter(dim=1),)
 >>> transition(Replicate(), Replicate())
 ()
+>>> transition(Replicate(), Partial())
+(Split(),)
 >>> local_shape((7, 4), Shard(0), (2,), (1,))
 (3, 4)
 >>> comm_bytes(transition(Partial(), Replicate()), (1024,), (4,), itemsize=2)
@@ -37,6 +39,7 @@ __all__ = [
     "ReduceScatter",
     "AllToAll",
     "Chunk",
+    "Split",
     "Step",
     "transition",
     "chunk_bounds",
@@ -137,7 +140,21 @@ class Chunk:
     dst = property(lambda self: Shard(self.dim, self.parts))
 
 
-Step = (AllGather, AllReduce, ReduceScatter, AllToAll, Chunk)
+@_step
+class Split:
+    """``Replicate() -> Partial(op)`` on ``mesh_dim``: every rank keeps its term of the value
+    (for ``"sum"`` the value divided by the mesh size; for ``"avg"``, ``"max"``, ``"min"``
+    the value itself), as DTensor's ``Partial._partition_value``; no communication."""
+
+    op: str = "sum"
+    mesh_dim: int = 0
+    sharded_by: tuple = ()
+    collective = None
+    src = property(lambda self: Replicate())
+    dst = property(lambda self: Partial(self.op))
+
+
+Step = (AllGather, AllReduce, ReduceScatter, AllToAll, Chunk, Split)
 
 
 def check_layout(layout, *, name: str = "layout") -> tuple:
@@ -161,13 +178,14 @@ def check_layout(layout, *, name: str = "layout") -> tuple:
 
 def _check_legal(src: tuple, dst: tuple) -> None:
     for i, (s, d) in enumerate(zip(src, dst)):
-        if isinstance(d, Partial) and not isinstance(s, Partial):
+        if isinstance(d, Partial) and isinstance(s, Shard):
             raise ValueError(
                 f"no transition turns {s!r} into {d!r} on mesh dim {i}: Partial values arise "
-                "only from computation (e.g. a matmul over a sharded dim); redistribution "
-                "reduces them but never creates them. Ask for Replicate() or Shard(dim) instead."
+                "only from computation (e.g. a matmul over a sharded dim) or from a replica "
+                "split into terms (Replicate() -> Partial()); a shard is neither. Ask for "
+                "Replicate() or Shard(dim) instead, or replicate it first."
             )
-        if isinstance(d, Partial) and s != d:
+        if isinstance(d, Partial) and isinstance(s, Partial) and s != d:
             raise ValueError(
                 f"no transition turns {s!r} into {d!r} on mesh dim {i}: terms pending a "
                 f"'{s.op}' reduction are not terms of a '{d.op}' reduction. Reduce first "
@@ -180,6 +198,8 @@ def _make_steps(current: tuple, mesh_dim: int, target) -> tuple:
     others = tuple(j for j, p in enumerate(current) if j != mesh_dim and isinstance(p, Shard))
     where = dict(mesh_dim=mesh_dim, sharded_by=others)
     packed = any(isinstance(p, Shard) and p.parts != 1 for p in (cur, target))
+    if isinstance(target, Partial):  # legal only from a replica (_check_legal)
+        return (Split(op=target.op, **where),)
     if isinstance(target, Replicate):
         if isinstance(cur, Partial):
             return (AllReduce(op=cur.op, **where),)
@@ -205,9 +225,11 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     >>> transition((Shard(0), Shard(0)), (Replicate(), Shard(0)))
     (AllGather(dim=0, mesh_dim=1, sharded_by=(0,)), AllGather(dim=0), Chunk(dim=0, mesh_dim=1))
     >>> transition(Replicate(), Partial())
+    (Split(),)
+    >>> transition(Shard(0), Partial())
     Traceback (most recent call last):
     ...
-    ValueError: no transition turns Replicate() into Partial() on mesh dim 0: Partial values arise only from computation (e.g. a matmul over a sharded dim); redistribution reduces them but never creates them. Ask for Replicate() or Shard(dim) instead.
+    ValueError: no transition turns Shard(dim=0) into Partial() on mesh dim 0: Partial values arise only from computation (e.g. a matmul over a sharded dim) or from a replica split into terms (Replicate() -> Partial()); a shard is neither. Ask for Replicate() or Shard(dim) instead, or replicate it first.
     """
     src, dst = check_layout(src, name="src"), check_layout(dst, name="dst")
     if len(src) != len(dst):
@@ -265,12 +287,15 @@ def cotangent(layout) -> tuple:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in check_layout(layout))
 
 
-def pullback(src, dst, grad=None, *, ndim: int | None = None) -> tuple:
+def pullback(src, dst, grad=None, *, to=None, ndim: int | None = None) -> tuple:
     """The steps the backward of ``transition(src, dst)`` runs on a gradient with layout ``grad``.
 
-    The gradient travels from ``grad`` (by default ``dst``) to ``cotangent(src)``. This is the
-    duality law: with a Partial gradient, an all-gather pulls back to a reduce-scatter; a local
-    chunk pulls back to an all-gather; an all-reduce pulls back to nothing.
+    The gradient travels from ``grad`` (by default ``dst``) to ``to`` (by default
+    ``cotangent(src)``). This is the duality law: with a Partial gradient, an all-gather pulls
+    back to a reduce-scatter; a local chunk pulls back to an all-gather; an all-reduce pulls
+    back to nothing. A split, its gradient whole (``cotangent(Partial())``), pulls back to
+    nothing (DTensor's: the whole gradient), or, with ``to=Partial()`` (the replica's producer
+    sums the terms of its gradient), to a split.
 
     >>> pullback(Shard(1), Replicate(), grad=Partial())
     (ReduceScatter(dim=1),)
@@ -278,9 +303,23 @@ def pullback(src, dst, grad=None, *, ndim: int | None = None) -> tuple:
     (AllGather(dim=0),)
     >>> pullback(Partial(), Replicate())
     ()
+    >>> whole = Replicate()
+    >>> pullback(Replicate(), Partial(), whole), pullback(Replicate(), Partial(), whole, to=Partial())
+    ((), (Split(),))
     """
     grad = dst if grad is None else grad
-    return transition(grad, cotangent(src), ndim=ndim)
+    land = cotangent(src)
+    if to is not None:
+        to = check_layout(to, name="to")
+        if len(to) != len(land) or any(
+                t != c and not (isinstance(t, Partial) and isinstance(c, Replicate))
+                for t, c in zip(normalize(to, ndim) if ndim else to,
+                                normalize(land, ndim) if ndim else land)):
+            raise ValueError(
+                f"a gradient of a tensor laid out {as_layout(src)} lands in {land} or, where it "
+                f"is replicated, as terms (Partial()); not in {to}.")
+        land = to
+    return transition(grad, land, ndim=ndim)
 
 
 def _is_symbolic(*values) -> bool:

@@ -13,8 +13,7 @@ architecture have (transformers skips those rules; so does ``from_hf``).
 plan({'down': rowwise(), 'up': colwise()})
 
 Every string with a faithful tpfn meaning is read (docs/huggingface.md lists each as its
-tpfn composition); the others (``moe_identity_expert``, expert parallelism) are refused
-with the reason.
+tpfn composition); the others (expert parallelism) are refused with the reason.
 
 Where several column-wise layers are children of one module (attention's q, k and v; an
 MLP's gate and up projections), the module takes its input as one local replica,
@@ -44,6 +43,9 @@ _GATHERED = colwise() >> prepare_out(Replicate())
 _SPLIT_INPUT = prepare_in(Replicate()) >> rowwise()
 _SHARED = prepare_in(Replicate(), local=True)  # one replica for several column-wise children
 _REDUCED = prepare_out(Replicate(), given=Partial())
+# Inside moe_tp_experts, whose outputs are partial sums and whose input's gradient too: the
+# identity experts' replicated input as one of n equal terms, its gradient too (x/n, g/n).
+_TERMS = prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
 
 # What a string does to a module it keys (transformers 5.24, then earlier releases);
 # "replicated_with_grad_allreduce" and "moe_tp_experts" depend on the module (_module_style).
@@ -59,6 +61,7 @@ MODULE_STYLES = {
     "packed_colwise": colwise(parts=2),
     "sequence_parallel": sequence_parallel(local=True),
     "all_reduce": _REDUCED,
+    "moe_identity_expert": _TERMS,
     "local_params": on_shards(),
     "replicate": replicate() >> on_shards(),
     # transformers 4.x
@@ -117,14 +120,6 @@ _EXPERT_PARALLEL = (
 
 # Strings whose meaning no tpfn style has: why, and what to do.
 UNSUPPORTED = {
-    "moe_identity_expert": (
-        "divides the identity experts' input by the mesh size, so that moe_tp_experts' sum of "
-        "partial outputs counts their replicated output once: their value and its gradient "
-        "scaled by 1/n inside the experts' computation. Layouts place values and never scale "
-        "them (no transition makes a replicated tensor one term of a sum, Replicate -> "
-        "Partial), so no tpfn style means it; leave the experts module out of the plan "
-        "(replicated) or compute the identity experts outside it"
-    ),
     "grouped_gemm": _EXPERT_PARALLEL,
     "ep_router": _EXPERT_PARALLEL,
     "ep_dispatch_experts": _EXPERT_PARALLEL,
@@ -297,6 +292,15 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
             styles[fqn] = style
     latents = {_latent(f, modules, keyed, styles, found)
                for f, string in keyed.items() if string == "mla_kv_a_proj"}
+    for fqn, string in keyed.items():
+        parent = fqn.rpartition(".")[0]
+        if string == "moe_identity_expert" and keyed.get(parent) != "moe_tp_experts":
+            why = f"is {keyed[parent]!r}" if parent in keyed else "is not in the plan"
+            found.append(f"{generalize(fqn)!r} is 'moe_identity_expert', which hands the "
+                         "identity experts' input on as terms of the sum that 'moe_tp_experts' "
+                         "makes of its experts' outputs; its module "
+                         f"{repr(generalize(parent)) if parent else '(the model)'} {why}. Key it "
+                         "'moe_tp_experts'.")
     if found:
         raise PlanError(list(dict.fromkeys(found)))  # a problem of every layer, once
     consumers: dict = {}

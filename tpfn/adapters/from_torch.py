@@ -15,6 +15,14 @@ plan({'w1': colwise(), 'w2': prepare_in(Shard(dim=-1)) >> rowwise() >> prepare_o
 >>> from_torch([TShard(0)])
 (Shard(dim=0),)
 
+A ``PrepareModuleInput`` with ``input_layouts`` takes exactly one positional input per
+layout, in PyTorch and once converted (``arity``; a call with another number raises):
+
+>>> from torch.distributed.tensor.parallel import PrepareModuleInput
+>>> from_torch(PrepareModuleInput(input_layouts=(TShard(1), None),
+...                               desired_input_layouts=(TReplicate(), None)))
+prepare_in(Shard(dim=1), desired=Replicate(), arity=2)
+
 ``RowwiseParallel`` annotates its input as given (``Shard(-1)`` unless told otherwise) for
 an ``nn.Embedding`` too, and the conversion keeps that: ``prepare_in(Shard(dim=-1)) >>
 rowwise()`` all-gathers token ids on an embedding, exactly as PyTorch does (give
@@ -87,8 +95,10 @@ def _prepare_input(s: PrepareModuleInput) -> Style:
     desired = tuple(None if g is None else _one(d) for g, d in pairs)
     kwargs = {name: (_one(g), _one(s.desired_input_kwarg_layouts.get(name)))
               for name, g in s.input_kwarg_layouts.items() if g is not None}
+    # PyTorch takes exactly one positional input per input layout, where it is given any.
+    arity = None if s.input_layouts is None else len(s.input_layouts)
     return prepare_in(*given, desired=desired if any(desired) else None, kwargs=kwargs or None,
-                      local=_local(s.use_local_output, False))
+                      local=_local(s.use_local_output, False), arity=arity)
 
 
 def _prepare_output(s: PrepareModuleOutput) -> Style:

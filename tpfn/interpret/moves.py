@@ -24,8 +24,8 @@ from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
 from tpfn._torch import (
-    DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, redistribute_local_tensor,
-    spec_of,
+    DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
+    redistribute_local_tensor, spec_of,
 )
 from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
@@ -363,7 +363,12 @@ def vocab_mask(ids: torch.Tensor, module: nn.Embedding, mesh, what: str):
     n = module.num_embeddings
     assert_async(((ids >= 0) & (ids < n)).all(),
                  f"{what}: an id lies outside the vocabulary [0, {n}) (index out of range in self)")
-    offset, size = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_coordinate()[0])
+    return _vocab_slice(ids, n, mesh.size(), mesh.get_coordinate()[0])
+
+
+@per_rank  # LocalTensorMode: each simulated rank its own slice
+def _vocab_slice(ids: torch.Tensor, n: int, k: int, rank: int):
+    offset, size = chunk_bounds(n, k, rank)
     mask = (ids < offset) | (ids >= offset + size)
     return (ids - offset).masked_fill(mask, 0), mask
 
@@ -373,5 +378,10 @@ def dropout_slice(module: nn.Dropout, local: torch.Tensor, global_shape: tuple, 
     whole tensor: the same draws from the default generator, so the ranks stay in step."""
     whole = torch.ones(global_shape, dtype=local.dtype, device=local.device)
     noise = nn.functional.dropout(whole, module.p, training=True)
-    start, _ = chunk_bounds(global_shape[dim], mesh.size(), mesh.get_coordinate()[0])
-    return noise.narrow(dim, start, local.shape[dim]).clone()  # frees the rest of the noise
+    return _noise_slice(noise, dim, local.shape[dim], mesh.size(), mesh.get_coordinate()[0])
+
+
+@per_rank  # LocalTensorMode: each simulated rank its own slice
+def _noise_slice(noise: torch.Tensor, dim: int, size: int, k: int, rank: int) -> torch.Tensor:
+    start, _ = chunk_bounds(noise.shape[dim], k, rank)
+    return noise.narrow(dim, start, size).clone()  # frees the rest of the noise

@@ -75,7 +75,8 @@ class Runtime:
         first, shape = self._first(args, kwargs), None
         if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
                 and not mount.inputs.slots[0].untouched:
-            shape = global_shape(first, mount.inputs.slots[0], mesh, shapes)
+            shape = global_shape(first, mount.inputs.slots[0], mesh, shapes,
+                                 f"input 0 of {mount.where}", exact=kernel.random == "slice")
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
                                       cache=self.cache, first_shape=shape,

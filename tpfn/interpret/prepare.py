@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torch.distributed import tensor as _dt
 
-from tpfn._torch import heads_mesh, keep_mesh
+from tpfn._torch import heads_mesh, keep_mesh, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
 from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared
-from tpfn.interpret.state import Shapes
+from tpfn.interpret.state import Guess, Shapes
+from tpfn.interpret.terms import terms
 from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
 from tpfn.style.style import Style
@@ -75,7 +76,7 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
                 dt, on = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh
             else:
                 dt, on = _beyond_dtensor(param, mesh, layout, src_rank, views)
-        if isinstance(param, nn.Parameter):
+        if _is_parameter(module, name):
             dt = nn.Parameter(dt, requires_grad=param.requires_grad)
         out[name] = keep_mesh(dt, on)
     return out
@@ -86,6 +87,13 @@ def placed_tensor(module: nn.Module, name: str) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     sub = module.get_submodule(owner)
     return sub._parameters[leaf] if leaf in sub._parameters else sub.get_buffer(leaf)
+
+
+def _is_parameter(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` (dotted) names a parameter of ``module`` (a ``LocalTensor`` parameter
+    deep-copied under ``LocalTensorMode`` is no ``nn.Parameter`` instance)."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf in module.get_submodule(owner)._parameters
 
 
 def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
@@ -100,10 +108,14 @@ def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> to
     """
     if not isinstance(layout, Shard):
         return full
-    rank = mesh.get_coordinate()[0] if rank is None else rank
+    return _local_value(full, layout, mesh.size(), mesh.get_coordinate()[0] if rank is None else rank)
+
+
+@per_rank  # LocalTensorMode: each simulated rank its own chunks
+def _local_value(full: torch.Tensor, layout: Shard, n: int, rank: int) -> torch.Tensor:
     dim = layout.dim % full.ndim
     return torch.cat([full.narrow(dim, start, size)
-                      for start, size in shard_ranges(full.shape[dim], layout, mesh.size(), rank)], dim)
+                      for start, size in shard_ranges(full.shape[dim], layout, n, rank)], dim)
 
 
 def _beyond_dtensor(param, mesh, layout: Shard, src_rank, views: dict) -> tuple:
@@ -211,11 +223,16 @@ def not_a_tensor(x, slot, what: str) -> TypeError:
                      "mark it None to leave it alone.")
 
 
-def global_shape(x, slot, mesh, shapes: Shapes) -> tuple:
-    """The global shape of an input or output arriving at ``slot``."""
+def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = False) -> tuple:
+    """The global shape of an input or output (``what``) arriving at ``slot``. That of a
+    sharded local tensor no slot handed on is a ``Guess`` (rank 0's 4 positions may be 7 or
+    8) unless the slot moves it or ``exact`` asks: then the ranks exchange their local shapes
+    (``tpfn.interpret.agree``), or all raise the same ``LayoutError``."""
     if isinstance(x, DTensor):
         return tuple(x.shape)
-    return shapes.recall(x, placements(slot.given or slot.desired, x.ndim), mesh)
+    given = placements(slot.given or slot.desired, x.ndim)
+    exact = exact or given != placements(slot.out, x.ndim)
+    return shapes.recall(x, given, mesh, what, exact)
 
 
 def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
@@ -236,7 +253,15 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
-        shape = tuple(shape or global_shape(x, slot, mesh, shapes))
+        given = placements(src, x.ndim)  # a DTensor, a move, a gradient moved back: exact
+        exact = not local or given != placements(slot.out, x.ndim) or (
+            grad is not None and placements(grad, x.ndim) != given)
+        if shape is None or (exact and isinstance(shape, Guess)):
+            shape = global_shape(x, slot, mesh, shapes, what, exact=exact)
+        elif not isinstance(shape, tuple):
+            shape = tuple(shape)
+        if local and slot.grad is not None:  # its gradient handed back as terms (grads=)
+            return terms(x, src, slot.out, grad, slot.grad, mesh, what)
         if local and share and placements(slot.out, x.ndim)[0].is_replicate():
             return replicate_shared(x, src, mesh, shape, what, cache)
         if local:  # the fast path: local tensors all the way
@@ -291,6 +316,13 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
     ((Shard(dim=0),), torch.Size([2, 3]))
     """
     spec = _spec(spec, Inputs, "prepare_in", "inputs")
+    if spec.arity is not None and len(args) != spec.arity:
+        raise LayoutError(
+            f"{where} is called with {len(args)} positional input{'s' * (len(args) != 1)}, "
+            f"but its plan takes exactly {spec.arity} (prepare_in(..., arity={spec.arity}): "
+            "PyTorch's PrepareModuleInput takes one input layout per positional input); "
+            "give one layout per positional input (None leaves that input alone), or pass "
+            "the other inputs by keyword.")
     shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
 

@@ -7,10 +7,18 @@ Global shapes: seven positions on two ranks are 4 and 3, and from its local 4 al
 cannot tell 7 from 8. Every sharded local tensor that leaves a slot is remembered, by
 identity and by local shape and layout. The next annotation of that very tensor recovers
 its global shape exactly (``TENSOR_SHAPES``: a fact about that tensor, whichever model
-handed it on); one computed from it with the same local shape (a residual sum) recovers the
-most recent global shape this model saw for that local shape; anything else is taken to be
-an even split, as DTensor assumes. Compiled code neither reads nor writes the memory (a
-graph would be specialized on it): there, sharded local tensors are even splits.
+handed it on). For any other sharded local tensor (a user's piece of a sequence, a
+residual sum) rank 0's 4 could be 7 or 8: its global shape is a ``Guess`` (the most recent
+one this model saw for that local shape, else an even split, as DTensor assumes), handed on
+as a guess where nothing depends on it (a row-wise layer's input, whose sharded features its
+output drops; a sequence-parallel norm's, whose output keeps the guess), and made exact
+where something does (a move, a DTensor, one device's dropout noise): from the tensor a slot
+handed on that it was computed from, a few autograd nodes back (``derived_shape``: a
+residual sum), else by an exchange of the ranks' local shapes (``tpfn.interpret.agree``,
+one all-gather of a few ints). Every rank decides alike, since whether a tensor is one a
+slot handed on, how sure its shape is and the autograd graph are the same on every rank. Compiled code neither reads nor writes the memory nor
+exchanges shapes (a graph would be specialized on them): there, sharded local tensors are
+even splits.
 
 Partial gradients: a replicated parameter used on sharded activations (a sequence-parallel
 norm, a per-head norm) gets a partial gradient. Left so, every optimizer op on it would
@@ -27,17 +35,19 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import WeakTensorKeyDictionary, queue_callback
+from tpfn._torch import HookIdentity, WeakTensorKeyDictionary, per_rank, queue_callback, rank_sizes
+from tpfn.errors import LayoutError
+from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.moves import collective
 
-__all__ = ["State", "Shapes", "PartialGrads", "TENSOR_SHAPES", "recall"]
+__all__ = ["State", "Shapes", "PartialGrads", "TENSOR_SHAPES", "Guess", "recall", "derived_shape"]
 
 TENSOR_SHAPES = WeakTensorKeyDictionary()
 """local tensor -> (key, global shape), for the local tensors that slots handed on."""
 
 
 def _key(local, placements: tuple, mesh) -> tuple:
-    return tuple(local.shape), placements, mesh.size()
+    return rank_sizes(local.shape), placements, mesh.size()
 
 
 def _even(local, placements: tuple, mesh) -> tuple:
@@ -48,19 +58,69 @@ def _even(local, placements: tuple, mesh) -> tuple:
     return tuple(shape)
 
 
-def recall(local, placements: tuple, mesh, table=None) -> tuple:
-    """The global shape of ``local`` if a slot handed it on, else the one ``table`` (a model's
-    ``Shapes.table``) last saw for its local shape, else the even split."""
+class Guess(tuple):
+    """A global shape taken from this rank's local shape alone (other ranks may guess another)."""
+
+
+def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
+           exact: bool = False) -> tuple:
+    """The global shape of ``local`` if a slot handed it on; else (a ``Guess``) the one
+    ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
+    ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
+    the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
     if not any(p.is_shard() for p in placements):  # whole on every rank
         return tuple(local.shape)
-    if not torch.compiler.is_compiling():
-        key = _key(local, placements, mesh)
-        mine = TENSOR_SHAPES.get(local)
-        if mine is not None and mine[0] == key:
-            return mine[1]
-        if table is not None and key in table:
-            return table[key]
-    return _even(local, placements, mesh)
+    if torch.compiler.is_compiling():
+        return _even(local, placements, mesh)
+    key = _key(local, placements, mesh)
+    mine = TENSOR_SHAPES.get(local)
+    if mine is not None and mine[0] == key and not (exact and isinstance(mine[1], Guess)):
+        return mine[1]
+    found = derived_shape(local) if mesh.size() > 1 else None
+    if found is not None and found[0] == key:  # as an elementwise op keeps local shapes
+        return found[1]
+    if exact and what is not None and mesh.size() > 1:
+        if found is not None:  # a graph that every rank has: no rank exchanges
+            raise LayoutError(
+                f"{what}: the global shape of this sharded local tensor is unknown: it is "
+                f"computed from one of local shape {found[0][0]} (global {found[1]}) but has "
+                f"local shape {key[0]}; hand it on as a DTensor (DTensor.from_local(x, mesh, "
+                "placements, shape=...)), or lay it out with prepare_out(...) where it is made.")
+        shape = agreed_shape(local, placements, mesh, what)
+        if shape is not None:
+            TENSOR_SHAPES[local] = (key, shape)
+            return shape
+    if mesh.size() == 1:
+        return tuple(local.shape)
+    return Guess(table[key] if table is not None and key in table else _even(local, placements, mesh))
+
+
+_DEPTH = 6  # autograd nodes walked back from a tensor to one a slot handed on, hooks aside
+_NODE_KEY = "tpfn global shapes"  # in an autograd node's metadata: output number -> (key, shape)
+
+
+def derived_shape(local) -> tuple | None:
+    """``(key, global shape)`` of the sharded local tensor a slot handed on that ``local`` was
+    computed from (a residual sum, a norm's output): the nearest among its autograd inputs,
+    ``_DEPTH`` nodes back, breadth first, else None (no graph, or none near). Which one is
+    found depends on the graph alone, the same on every rank."""
+    level, seen = [_unhooked(local.grad_fn, local.output_nr)], set()
+    for _ in range(_DEPTH):
+        level = [(n, i) for n, i in level if n is not None and id(n) not in seen
+                 and not seen.add(id(n))]
+        for node, nr in level:
+            found = node.metadata.get(_NODE_KEY, {}).get(nr) if node.metadata else None
+            if found is not None:
+                return found
+        level = [_unhooked(n, i) for node, _ in level for n, i in node.next_functions]
+    return None
+
+
+def _unhooked(node, nr: int) -> tuple:
+    """``(node, output number)`` past module hooks' identity wrappers (output i is input i)."""
+    while isinstance(node, HookIdentity):
+        node, nr = node.next_functions[nr]
+    return node, nr
 
 
 class Shapes:
@@ -74,15 +134,25 @@ class Shapes:
             return
         if any(p.is_shard() for p in placements):
             key = _key(local, placements, mesh)
-            TENSOR_SHAPES[local] = (key, tuple(global_shape))
-            self.table[key] = tuple(global_shape)
+            shape = Guess(global_shape) if isinstance(global_shape, Guess) else tuple(global_shape)
+            TENSOR_SHAPES[local] = (key, shape)
+            if local.grad_fn is not None and not isinstance(shape, Guess):
+                local.grad_fn.metadata.setdefault(_NODE_KEY, {})[local.output_nr] = (key, shape)
+            self.table[key] = tuple(shape)
             self.table.move_to_end(key)
             while len(self.table) > self.size:
                 self.table.popitem(last=False)
 
-    def recall(self, local, placements: tuple, mesh) -> tuple:
-        """The remembered global shape, else the even split DTensor would assume."""
-        return recall(local, placements, mesh, self.table)
+    def recall(self, local, placements: tuple, mesh, what: str, exact: bool = False) -> tuple:
+        """The global shape of ``local`` arriving at the slot ``what``, as ``recall`` finds it
+        with this model's table."""
+        return recall(local, placements, mesh, self.table, what, exact)
+
+
+@per_rank  # LocalTensorMode: each simulated rank its own coordinates
+def _on_first(local, *coordinate):
+    """``local`` on the rank whose ``coordinate`` is all zeros, zeros on every other rank."""
+    return local if all(c == 0 for c in coordinate) else torch.zeros_like(local)
 
 
 class PartialGrads:
@@ -107,8 +177,8 @@ class PartialGrads:
         old, placements = param.grad, self.reduced.pop(id(param), None)
         if isinstance(old, DTensor) and placements is not None:
             coordinate = old.device_mesh.get_coordinate()
-            first = all(coordinate[i] == 0 for i, p in enumerate(placements) if p.is_partial())
-            local = old.to_local() if first else torch.zeros_like(old.to_local())
+            local = _on_first(old.to_local(), *(coordinate[i] for i, p in enumerate(placements)
+                                                 if p.is_partial()))
             param.grad = DTensor.from_local(local, old.device_mesh, placements, run_check=False,
                                             shape=old.shape, stride=old.stride())
         return grad

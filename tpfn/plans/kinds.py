@@ -21,7 +21,7 @@ import functools
 import attrs
 import torch.nn as nn
 
-from tpfn._torch import MIXING, DropoutNd
+from tpfn._torch import MIXING, DropoutNd, parameter
 
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.style.constructors import on_shards, params, prepare_out, replicate
@@ -167,7 +167,7 @@ def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
                 "groups or windows), so a shard of the sequence gives other numbers; leave it "
                 "out of the plan and hand it the whole sequence (prepare_in(Shard(1), "
                 "desired=Replicate()) on it, or end the sequence-parallel region before it).")
-    big = [n for n in owned if module.get_parameter(n).dim() > 1]
+    big = [n for n in owned if parameter(module, n).dim() > 1]
     if big:
         return (
             f"{core!r} at {where}: sequence parallelism runs a module on each position alone, "

@@ -150,7 +150,7 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
                 found.append(f"{n.core!r} at {where}: no parameter {name!r}; it has "
                              f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
         inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.wants), "input"),
-                        inputs.kwargs, True)
+                        inputs.kwargs, True, inputs.arity)
         kernel = Kernel(n.core.output, tuple(zip(n.core.wants, n.core.grads)), n.core.param_grads,
                         **extras)
     default_out = n.core.default_local if n.core is not None else True

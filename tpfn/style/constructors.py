@@ -269,28 +269,50 @@ def _named_slots(what: str, mapping, lone: str) -> tuple:
 
 
 def prepare_in(*given: Placement | None, desired: Placement | tuple | None = None,
-               kwargs: dict | None = None, local: bool | None = None) -> Style:
+               grads: Placement | tuple | None = None, kwargs: dict | None = None,
+               local: bool | None = None, arity: int | None = None) -> Style:
     """Annotate and redistribute the module's inputs before it runs.
 
     - ``given``: one layout per positional input, the layout its local tensor is in
       (``None``: leave that input alone). A DTensor input must already have it.
     - ``desired``: the layout (or a tuple, one per input) to redistribute to; default: given.
+      From ``Replicate()`` to ``Partial()`` each rank hands on its term, the value divided by
+      the mesh size (DTensor's ``Replicate -> Partial``).
+    - ``grads``: the layout (or a tuple) each input's gradient is handed back in; default:
+      the whole gradient. ``Partial()`` on a replicated local input (``local=True``) hands it
+      back as terms of a sum, for a producer that sums them: a module called inside
+      ``on_shards(Replicate(), grads=Partial())``. Replicated there and handed on as
+      ``Partial()``, such an input is one of ``n`` equal terms both ways: the value divided
+      by ``n`` forward, the gradient divided by ``n`` backward, no communication.
     - ``kwargs``: keyword input name -> given layout or ``(given, desired)``.
     - ``local``: hand the module local tensors (default: DTensors).
+    - ``arity``: the number of positional inputs the module must be called with, at least
+      one per layout given (default: any; the inputs past the layouts are left alone).
 
     ``prepare_in(Shard(1), desired=Replicate())`` is PyTorch's
     ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``.
 
     >>> prepare_in(Shard(1), None, desired=(Replicate(), None), kwargs={"mask": Replicate()})
     prepare_in(Shard(dim=1), desired=Replicate(), kwargs={'mask': (Replicate(), None)})
+    >>> prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
+    prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
     """
     given = tuple(placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
     wanted = _per_slot("prepare_in: 'desired'", desired, len(given),
                        "prepare_in(None, desired=Replicate())")
-    slots = tuple(Slot(g, d) for g, d in zip(given, wanted))
+    backs = _per_slot("prepare_in: 'grads'", grads, len(given),
+                      "prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)")
+    for i, (g, back) in enumerate(zip(given, backs)):
+        if back is not None and (back != Partial() or g != Replicate() or local is not True):
+            raise TypeError(
+                f"prepare_in: 'grads' hands the gradient of a replicated local input back as "
+                f"terms of a sum: grads=Partial() on a given Replicate() with local=True (input "
+                f"{i} is given {g!r}, grads={back!r}, local={local!r}); every other input's "
+                "gradient is handed back whole, as its given layout's cotangent.")
+    slots = tuple(Slot(g, d, b) for g, d, b in zip(given, wanted, backs))
     slots = fold(slots, (), "input")
     named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
-    return Style((Inputs(slots, named, _local(local)),))
+    return Style((Inputs(slots, named, _local(local), arity),))
 
 
 def prepare_out(*desired: Placement | None, given: Placement | tuple | None = None,

@@ -23,20 +23,26 @@ def _shard_compatible(a, b) -> bool:
             and a.heads == b.heads and (a.dim < 0) != (b.dim < 0))
 
 
-@attrs.frozen(cache_hash=True)
+@attrs.frozen(cache_hash=True, repr=False)
 class Slot:
     """One input or output: the layout it arrives in (``given``) and the one wanted (``desired``).
 
     ``given=None`` accepts what arrives: a DTensor brings its own layout, a plain tensor is
-    taken to be in ``desired`` already. A slot with neither is left alone.
+    taken to be in ``desired`` already. A slot with neither is left alone. ``grad``: the
+    layout the input's gradient is handed back in (None: ``given``'s cotangent).
     """
 
     given: object = None
     desired: object = None
+    grad: object = None
 
     def __attrs_post_init__(self):
         if self.desired is not None and self.desired == self.given:
             object.__setattr__(self, "desired", None)
+
+    def __repr__(self):
+        grad = "" if self.grad is None else f", grad={self.grad!r}"
+        return f"Slot(given={self.given!r}, desired={self.desired!r}{grad})"
 
     @property
     def out(self):
@@ -53,12 +59,17 @@ class Slot:
             return other
         if other.untouched:
             return self
+        if other.grad is not None:
+            raise StyleError(
+                f"{where}: a later stage declares the gradient's layout (grads={other.grad!r}), "
+                "but the gradient is handed back from the first stage's given layout; declare "
+                "grads= on the first prepare_in of the chain.")
         if other.given is not None and not _shard_compatible(self.out, other.given):
             raise StyleError(
                 f"{where}: one stage delivers {self.out!r} and the next declares it arrives as "
                 f"{other.given!r}; make the declarations agree (or leave given=None)."
             )
-        return Slot(self.given, other.out)
+        return Slot(self.given, other.out, self.grad)
 
 
 def fold(slots_a: tuple, slots_b: tuple, where: str) -> tuple:

@@ -87,21 +87,39 @@ def _slots_repr(slots: tuple, main: str, other: str) -> list:
     return args
 
 
+def _arity(instance, attribute, value):
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"'arity' must be None or an int >= 0 (got {value!r} that is a "
+                        f"{type(value)!r}).")
+    if value < len(instance.slots):
+        raise ValueError(f"'arity' must be at least the number of positional layouts, "
+                         f"{len(instance.slots)} (got {value!r}).")
+
+
 @attrs.frozen(repr=False, cache_hash=True)
 class Inputs:
-    """Stage: prepare positional and keyword inputs (see ``prepare_in``)."""
+    """Stage: prepare positional and keyword inputs (see ``prepare_in``); ``arity``: the
+    number of positional inputs the module must be called with (None: any)."""
 
     slots: tuple = attrs.field(default=(), validator=_slots)
     kwargs: tuple = attrs.field(default=(), validator=_named)
     local: object = attrs.field(default=None, validator=_local)
+    arity: object = attrs.field(default=None, validator=_arity)
 
     def __repr__(self):
         args = _slots_repr(self.slots, "given", "desired")
+        grads = tuple(s.grad for s in self.slots)
+        if any(g is not None for g in grads):  # where a gradient is handed back as terms
+            args.append(f"grads={grads[0]!r}" if len(grads) == 1 else f"grads={grads!r}")
         if self.kwargs:
             pairs = {k: (s.given, s.desired) for k, s in self.kwargs}
             args.append(f"kwargs={pairs!r}")
         if self.local is not None:
             args.append(f"local={self.local!r}")
+        if self.arity is not None:
+            args.append(f"arity={self.arity!r}")
         return f"prepare_in({', '.join(args)})"
 
 

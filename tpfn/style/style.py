@@ -59,7 +59,7 @@ def normal_form(stages: tuple) -> Normal:
                 )
             inputs = Inputs(fold(inputs.slots, stage.slots, "input"),
                             fold_named(inputs.kwargs, stage.kwargs, "keyword input"),
-                            _last(inputs.local, stage.local))
+                            _last(inputs.local, stage.local), _last(inputs.arity, stage.arity))
         elif isinstance(stage, (Core, OnShards)):
             if core:
                 raise StyleError(

@@ -24,6 +24,7 @@ checkpoint with ``model.save_pretrained(dir, state_dict=...)``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -43,15 +44,25 @@ from torch.distributed.checkpoint.state_dict import (
 from tpfn._torch import StridedShard
 from tpfn.algebra import contiguous_strides
 from tpfn.interpret.layouts import full_value, layouts
+from tpfn.interpret.moves import collective
 from tpfn.interpret.prepare import local_value, placed_tensor
 from tpfn.layout import Shard as _Shard
 
 __all__ = ["save", "load", "full_state_dict"]
 
 
-def _barrier() -> None:
+def _ranks(what: str):
+    """Inside, a collective that fails raises a ``CollectiveError`` naming ``what`` (one
+    process alone: nothing to name)."""
+    return collective(what, None) if dist.is_available() and dist.is_initialized() \
+        else contextlib.nullcontext()
+
+
+def _barrier(what: str) -> None:
+    """Wait for every rank (a ``CollectiveError`` naming ``what`` when a peer has failed)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        with collective(what, None):
+            dist.barrier()
 
 
 def _rank() -> int:
@@ -222,16 +233,17 @@ def save(path, model, optimizer=None) -> None:
     partial, previous = path + ".partial", path + ".previous"
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
-    dcp.save(_as_saved(_states(model, optimizer), layouts(model)), checkpoint_id=partial)
-    _barrier()
+    _barrier(f"the barrier before writing checkpoint {path!r}")
+    with _ranks(f"torch.distributed.checkpoint's collectives writing checkpoint {path!r}"):
+        dcp.save(_as_saved(_states(model, optimizer), layouts(model)), checkpoint_id=partial)
+    _barrier(f"the barrier after writing the shards of checkpoint {path!r}")
     if _rank() == 0:
         if os.path.exists(path):
             shutil.rmtree(previous, ignore_errors=True)
             os.rename(path, previous)
         os.rename(partial, path)
         shutil.rmtree(previous, ignore_errors=True)
-    _barrier()
+    _barrier(f"the barrier after checkpoint {path!r} replaced the previous one")
 
 
 def load(path, model, optimizer=None) -> None:
@@ -249,8 +261,9 @@ def load(path, model, optimizer=None) -> None:
     states = _states(model, optimizer)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     later: list = []
-    dcp.load(_as_stored(states, metadata, _parts_index(metadata), later, layouts(model)),
-             checkpoint_id=path)
+    with _ranks(f"torch.distributed.checkpoint's collectives reading checkpoint {path!r}"):
+        dcp.load(_as_stored(states, metadata, _parts_index(metadata), later, layouts(model)),
+                 checkpoint_id=path)
     for target, buffer, layout in later:  # stored in another packing than the model's
         _copy_shard(target, buffer, layout)
     if optimizer is None:
@@ -269,10 +282,11 @@ def full_state_dict(model, *, cpu: bool = True) -> dict:
     ['bias', 'weight']
     """
     placed = layouts(model)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    with _ranks("full_state_dict's gathering of the sharded tensors"):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        for name, layout in placed.items():
+            if name in state and isinstance(layout, _Shard) and isinstance(layout.parts, tuple):
+                state[name] = full_value(placed_tensor(model, name), layout)
     device = "cpu" if cpu else None
-    for name, layout in placed.items():
-        if name in state and isinstance(layout, _Shard) and isinstance(layout.parts, tuple):
-            state[name] = full_value(placed_tensor(model, name), layout)
     return {k: v.detach().to(device, copy=True) if isinstance(v, torch.Tensor) else v
             for k, v in state.items()}
