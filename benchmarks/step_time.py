@@ -1,10 +1,10 @@
 """Step time: forward, backward and an Adam step, tpfn vs native TP and a hand-written baseline.
 
 2 gloo ranks. PyTorch's reference Transformer and a Hugging Face Llama, with and without
-sequence parallelism. Three variants per model, stepped in turn on the same batches:
+sequence parallelism. Four variants per model, stepped in turn on the same batches:
 native TP with PyTorch's plan; tpfn with the very same plan (``tpfn.from_torch``); tpfn
 with its recommended plan (the Megatron minimum: q, k, v and gate, up share one annotated
-input). Two more: a hand-written Megatron-style version (``benchmarks.handwritten``: plain
+input), with its backward overlap (the default) and without (``overlap=False``). Two more: a hand-written Megatron-style version (``benchmarks.handwritten``: plain
 parameters of the local shards, the same collectives) and the same local compute with every
 collective left out. The hand-written version's loss is checked against one device's (the
 whole model stepped on the same batches, not timed); a gap beyond float32 noise fails the run.
@@ -91,7 +91,8 @@ def _llama(sp: bool):
     return build, native, recommended
 
 
-VARIANTS = ("native", "tpfn, same plan", "tpfn, recommended plan", "hand-written", "compute alone")
+VARIANTS = ("native", "tpfn, same plan", "tpfn, recommended plan", "tpfn, no overlap",
+            "hand-written", "compute alone")
 TOLERANCE = 1e-5  # the hand-written baseline's loss against one device's, relative (float32 noise)
 
 
@@ -127,9 +128,11 @@ def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
         "native": parallelize_module(build(), m, native_plan),
         "tpfn, same plan": tpfn.parallelize(build(), m, tpfn.from_torch(native_plan)),
     }
-    best = build()
-    models["tpfn, recommended plan"] = tpfn.parallelize(
-        best, m, recommended if recommended is not None else tpfn.from_hf(best.tp_plan, best))
+    for name, overlap in (("tpfn, recommended plan", True), ("tpfn, no overlap", False)):
+        best = build()
+        models[name] = tpfn.parallelize(
+            best, m, recommended if recommended is not None else tpfn.from_hf(best.tp_plan, best),
+            overlap=overlap)
     if model_name == "reference":
         for model in models.values():
             local_heads(model, 2)
@@ -187,16 +190,16 @@ def run(quick: bool = False) -> Table:
 
     table = Table("step_time", "Step time (forward, backward, Adam), 2 gloo ranks",
                   ["model", "sequence parallel", "Adam", "native ms", "tpfn same plan ms",
-                   "tpfn recommended ms", "hand-written ms", "compute alone ms",
-                   "same / native", "recommended / native", "tpfn / hand-written",
-                   "tpfn / compute"])
+                   "tpfn recommended ms", "no overlap ms", "hand-written ms", "compute alone ms",
+                   "same / native", "recommended / native", "overlap / no overlap",
+                   "tpfn / hand-written", "no overlap / hand-written", "tpfn / compute"])
     steps = 5 if quick else 20
-    spreads = []
+    spreads, overlaps = [], []
     with Ranks(2) as ranks:
         for model, sp, fused in itertools.product(("reference", "llama"), (False, True),
                                                   (False, True)):
             result = ranks.run(_steps, model, sp, steps, fused, timeout=900)[0]
-            native, same, best, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
+            native, same, best, sync, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
             label = f"{model}, sp {'on' if sp else 'off'}, {'fused' if fused else 'loop'} Adam"
             losses = result["losses"]
             hand_gap = _gap(losses["hand-written"], losses["one device"])
@@ -208,8 +211,8 @@ def run(quick: bool = False) -> Table:
                     f"one device {losses['one device']}")
             table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
                       "on" if sp else "off", "fused" if fused else "loop", native, same, best,
-                      hand, compute,
-                      same / native, best / native, best / hand, best / compute)
+                      sync, hand, compute, same / native, best / native, best / sync,
+                      best / hand, sync / hand, best / compute)
             gap = _gap(losses["tpfn, same plan"], losses["native"])
             table.target(f"{label}: tpfn/native <= 1.00 "
                          f"(losses agree to {gap:.0e})", best / native <= 1.0)
@@ -221,6 +224,11 @@ def run(quick: bool = False) -> Table:
             pairs = [a / b for a, b in zip(t["tpfn, recommended plan"], t["hand-written"])]
             lo, hi = _quartiles(pairs)
             spreads.append(f"{label} {lo:.2f}-{hi:.2f}")
+            lo, hi = _quartiles([a / b for a, b in zip(t["tpfn, recommended plan"],
+                                                       t["tpfn, no overlap"])])
+            overlaps.append(f"{label} {lo:.2f}-{hi:.2f}")
+            table.target(f"{label}: overlap and no overlap give the same losses",
+                         losses["tpfn, recommended plan"] == losses["tpfn, no overlap"])
     table.notes.append("dim 256, 4 layers, 8 heads, vocab 2048, batch 8 x 64 tokens; medians of "
                        f"{steps} steps per variant, stepped in turn")
     table.notes.append("tpfn = the recommended plan; hand-written = benchmarks/handwritten.py (plain "
@@ -228,6 +236,7 @@ def run(quick: bool = False) -> Table:
                        "alone = the same local compute with every collective left out (wrong numbers, "
                        "time only)")
     table.notes.append("tpfn / hand-written step by step, quartiles: " + "; ".join(spreads))
+    table.notes.append("overlap / no overlap step by step, quartiles: " + "; ".join(overlaps))
     return table
 
 

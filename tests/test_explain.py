@@ -392,6 +392,7 @@ module      style | layout                global -> local | steps  forward      
 
 collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_reduce
 bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
+overlapping a weight gradient: 1 of 1 backward collectives
 parameter bytes per rank: 2,176 B (2.1 KiB)"""
     model = local_heads(transformer(vocab_size=16, n_layers=3), 2)
     table = tpfn.explain(model, transformer_plan(True), world_size=2,
@@ -553,7 +554,7 @@ def test_local_shapes_tile_and_bytes_follow_the_ring_model(vocab, n, tokens):
     padded = n * -(-vocab // n) * tokens  # DTensor pads uneven shards to gather them
     expected = [] if n == 1 else [Comm("0", "forward", "all_reduce", tokens * 4, n, 4),
                                   Comm("1", "forward", "all_gather", padded, n, 4),
-                                  Comm("1", "backward", "all_reduce", tokens * 4, n, 4)]
+                                  Comm("1", "backward", "all_reduce", tokens * 4, n, 4, True)]
     assert list(report.comms) == expected
     ring = sympy.Rational(n - 1, n)
     assert report.bytes == 4 * ring * (2 * tokens * 4 * 2 + padded)

@@ -158,14 +158,16 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
         old._post_accumulate_grad_hooks = post
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """The ranks' ``x`` into ``out`` (rank-major) on ``group``, any group (registered or not)."""
-    group._allgather_base(out, x).wait()
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
+    """Start gathering the ranks' ``x`` into ``out`` (rank-major) on ``group``, any group
+    (registered or not); returns the work to wait on."""
+    return group._allgather_base(out, x)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """This rank's chunk of the ranks' summed ``x`` (rank-major) into ``out`` on ``group``."""
-    group._reduce_scatter_base(out, x).wait()
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
+    """Start summing the ranks' ``x`` and scattering it (rank-major) into ``out`` on ``group``;
+    returns the work to wait on."""
+    return group._reduce_scatter_base(out, x)
 
 
 def heads_mesh(mesh, heads: int):

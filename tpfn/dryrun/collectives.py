@@ -19,8 +19,10 @@ group (``tpfn.explain``) and a real run, so the two can be compared entry by ent
 A forward collective belongs to the module whose forward (or forward hooks) is running.
 A backward collective belongs to the module that created the autograd node running it:
 each module's forward spans an interval of autograd sequence numbers, and the innermost
-interval holding the node's number names the module. One that runs in a callback at the
-end of the backward (e.g. gradients reduced in bulk) belongs to no module.
+interval holding the node's number names the module; one that a column-wise linear starts
+before its weight gradient (``Comm.overlaps``) belongs to the move it serves. One that runs
+in a callback at the end of the backward (e.g. gradients reduced in bulk) belongs to no
+module.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn as nn
 
 from tpfn._torch import ProcessGroup, TorchDispatchMode, next_sequence_nr, resolve_process_group
 from tpfn.dryrun.report import KINDS, Comm
+from tpfn.interpret.moves import overlapping
 
 __all__ = ["record", "kind", "counts"]
 
@@ -115,10 +118,9 @@ class _Recorder(TorchDispatchMode):
         if first is not None:
             self.spans.append((first, _sequence_nr(), fqn))
 
-    def _creator(self, node):
-        if node is None:  # a callback at the end of the backward
+    def _creator(self, seq):
+        if seq is None:  # a callback at the end of the backward
             return None
-        seq = node._sequence_nr()
         inside = [s for s in self.spans if s[0] <= seq < s[1]]
         return max(inside)[2] if inside else None
 
@@ -126,12 +128,16 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         op_kind = kind(func)
         if op_kind is not None:
-            node = None
+            seq, early = None, False
             if torch._C._current_graph_task_id() == -1:
                 fqn, phase = (self.open[-1][0] if self.open else None), "forward"
-            else:
+            else:  # the node running it, or the move whose collective a linear starts early
                 node = torch._C._current_autograd_node()
-                fqn, phase = self._creator(node), "backward"
+                if node is not None:
+                    seq = overlapping(node)
+                    early = seq is not None
+                    seq = seq if early else node._sequence_nr()
+                fqn, phase = self._creator(seq), "backward"
             if op_kind not in KINDS:
                 where = "code outside every module" if fqn is None else repr(fqn or "<root>")
                 raise ValueError(
@@ -141,10 +147,9 @@ class _Recorder(TorchDispatchMode):
             sent = next(named[k] for k in _INPUTS if k in named)
             n = _group_size(named)
             whole = _numel(sent) * (n if op_kind in ("all_gather", "all_to_all") else 1)
-            self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent)))
+            self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent), early))
             if self.nodes is not None:
-                self.nodes.append(next_sequence_nr() if phase == "forward" else
-                                  None if node is None else node._sequence_nr())
+                self.nodes.append(next_sequence_nr() if phase == "forward" else seq)
         return func(*args, **kwargs)
 
 

@@ -268,18 +268,19 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
     return comms, seen, slots, _kept(model, saved)
 
 
-def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict) -> Report:
+def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, overlap: bool) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
     model = _meta_copy(module)
     mesh = new_fake_mesh(n)
     try:
-        return _dry_run_on(model, mesh, plan, n, shown, args, kwargs, values)
+        return _dry_run_on(model, mesh, plan, n, shown, args, kwargs, values, overlap)
     finally:
         release(mesh)
 
 
-def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict) -> Report:
-    parallelize(model, mesh, plan, src_rank=None)
+def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict,
+                overlap: bool) -> Report:
+    parallelize(model, mesh, plan, src_rank=None, overlap=overlap)
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
     symbol = shown if isinstance(shown, sympy.Basic) else None
@@ -336,7 +337,8 @@ def _at(symbols: list, runs: list) -> str:
     return f"({names}) = " + ", ".join("(" + ", ".join(str(v[x]) for x in symbols) + ")" for v in runs)
 
 
-def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict) -> Report:
+def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict,
+              overlap: bool) -> Report:
     """Three dry runs at stand-in sizes; collective sizes fitted as formulas in the symbols."""
     mesh_symbol = world_size if isinstance(world_size, sympy.Basic) else None
     t0 = sizes.get(mesh_symbol, 2)
@@ -346,7 +348,7 @@ def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict
     base = {x: sizes.get(x, t0 if x == mesh_symbol else default) for x in symbols}
     runs = [{x: v * factor[x] ** j for x, v in base.items()} for j in range(3)]
     reports = [_dry_run(module, plan, int(sympy.sympify(world_size).subs(v)), world_size,
-                        args, kwargs, v) for v in runs]
+                        args, kwargs, v, overlap) for v in runs]
     shapes = [[(c.fqn, c.phase, c.kind, c.itemsize) for c in r.comms] for r in reports]
     if not shapes[0] == shapes[1] == shapes[2]:
         raise ValueError(f"the collectives differ between the stand-in sizes {_at(symbols, runs)}: "
@@ -383,7 +385,7 @@ def _check_world_size(world_size):
 
 def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
             example_inputs: object = None, dtype: torch.dtype = torch.long,
-            sizes: dict | None = None) -> Report:
+            sizes: dict | None = None, overlap: bool = True) -> Report:
     """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
 
     - ``module``: any module (on any device, or meta); it is copied to meta, never changed.
@@ -396,6 +398,8 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
       them nothing runs and the report holds placements and declared layouts only.
     - ``dtype``: the dtype of inputs given as shapes (token ids by default).
     - ``sizes``: stand-in values for symbols (see the module docstring).
+    - ``overlap``: as ``parallelize`` takes it; the report counts the backward collectives
+      that overlap a weight gradient (``Comm.overlaps``).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -423,5 +427,5 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TypeError(f"sizes[{x!r}] must be a positive int (got {v!r}).")
     if not symbols:
-        return _dry_run(module, plan, world_size, world_size, args, kwargs, {})
-    return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes)
+        return _dry_run(module, plan, world_size, world_size, args, kwargs, {}, overlap)
+    return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes, overlap)

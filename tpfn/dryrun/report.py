@@ -75,7 +75,9 @@ class Comm:
     ``fqn``: the innermost module running it (None: outside every module); ``phase``:
     ``"forward"`` or ``"backward"``; ``numel``: elements of the whole tensor it assembles or
     reduces (an all-gather's output, an all-reduce's or reduce-scatter's input, all ranks'
-    inputs of an all-to-all); ``group_size``: ranks taking part.
+    inputs of an all-to-all); ``group_size``: ranks taking part; ``overlaps``: a backward
+    collective that a column-wise linear starts before computing its weight gradient and
+    waits for after (``parallelize(..., overlap=True)``).
 
     >>> Comm("w1", "backward", "all_gather", numel=1024, group_size=8, itemsize=4).bytes
     3584
@@ -87,6 +89,7 @@ class Comm:
     numel: int | sympy.Expr
     group_size: int | sympy.Expr
     itemsize: int
+    overlaps: bool = False
 
     @property
     def bytes(self):
@@ -293,7 +296,7 @@ class Report:
             } for r in self.rows],
             "comms": [{"fqn": c.fqn, "phase": c.phase, "kind": c.kind, "numel": _number(c.numel),
                        "group_size": _number(c.group_size), "itemsize": c.itemsize,
-                       "bytes": _number(c.bytes)} for c in self.comms],
+                       "bytes": _number(c.bytes), "overlaps": c.overlaps} for c in self.comms],
             "collectives": {"forward": self.count("forward"), "backward": self.count("backward"),
                             "total": self.collectives},
             "bytes_per_step": _number(self.bytes),
@@ -338,6 +341,11 @@ class Report:
              f"{_exact(self.phase_bytes('backward'))}; total {_exact(self.bytes)}"),
             ("parameter bytes per rank", _exact(self.param_bytes)),
         ]
+        backward = [c for c in self.comms if c.phase == "backward"]
+        if backward:
+            early = sum(c.overlaps for c in backward)
+            out.insert(2, ("overlapping a weight gradient",
+                           f"{early} of {len(backward)} backward collectives"))
         m = self.megatron
         if m is not None:
             formula, measured = self.megatron_bytes, self.blocks_bytes

@@ -90,15 +90,14 @@ class Slots:
     def _install(self, fqn: str, sub: nn.Module, rt) -> None:
         inputs = [label for label in self.labels[fqn] if label.startswith("input")]
         outputs = [label for label in self.labels[fqn] if label.startswith("output")]
-        forward, watch, names = rt.forward, rt.watch, rt.mount.names or ()
+        watch, names = rt.watch, rt.mount.names or ()
 
         def begin(module, args):
             self.open[fqn].append([_Window(next_sequence_nr(), len(self.nodes)), None])
 
-        def own_forward(*args, **kwargs):
+        def starts(args, kwargs):  # the module's own computation starts: inputs moved
             call = self.open[fqn][-1]
             call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs])
-            return forward(*args, **kwargs)
 
         def watched(label, x):
             if watch is not None:
@@ -120,7 +119,7 @@ class Slots:
 
         sub.register_forward_pre_hook(begin)
         sub.register_forward_hook(end)
-        rt.forward, rt.watch = own_forward, watched
+        rt.starts, rt.watch = starts, watched
 
     def _owners(self, fqn: str, comms: tuple, transitions: dict) -> dict:
         """``{label: ([forward collective index], [backward collective index])}`` of ``fqn``."""

@@ -32,25 +32,33 @@ from tpfn._torch import all_gather_into, reduce_scatter_into
 __all__ = ["step"]
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _done(out: torch.Tensor, work, wait: bool, then=None):
+    """``out`` once ``work`` is done (``then(out)`` where given); ``wait=False``: a function
+    that waits and returns it, the collective left running meanwhile."""
+    def finish():
+        work.wait()
+        return out if then is None else then(out)
+    return finish() if wait else finish
+
+
+def _all_reduce(x: torch.Tensor, group, wait: bool = True):
     out = x.clone(memory_format=torch.contiguous_format)
-    group.allreduce(out).wait()
-    return out
+    return _done(out, group.allreduce(out), wait)
 
 
-def _all_gather(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, n: int, group, wait: bool = True):
     """The ranks' ``x`` concatenated along ``dim``."""
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank-major, as the collective fills it
-    all_gather_into(out, x, group)
-    if dim == 0:
-        return out
-    shape = list(x.shape)
-    shape[dim] *= n
-    return out.view(n, *x.shape).movedim(0, dim).reshape(shape)
+    then = None
+    if dim != 0:
+        shape = list(x.shape)
+        shape[dim] *= n
+        then = lambda out: out.view(n, *x.shape).movedim(0, dim).reshape(shape)  # noqa: E731
+    return _done(out, all_gather_into(out, x, group), wait, then)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group, wait: bool = True):
     """This rank's chunk along ``dim`` of the sum of the ranks' ``x``."""
     shape = list(x.shape)
     shape[dim] //= n
@@ -58,17 +66,19 @@ def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
         x = x.unflatten(dim, (n, shape[dim])).movedim(dim, 0)
     x = x.contiguous()
     out = x.new_empty(shape)
-    reduce_scatter_into(out, x.reshape(n * shape[0], *shape[1:]), group)
-    return out
+    return _done(out, reduce_scatter_into(out, x.reshape(n * shape[0], *shape[1:]), group), wait)
 
 
-def _chunk(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
-    return x.chunk(n, dim)[rank].clone(memory_format=torch.contiguous_format)
+def _chunk(x: torch.Tensor, dim: int, n: int, rank: int, wait: bool = True):
+    out = x.chunk(n, dim)[rank].clone(memory_format=torch.contiguous_format)
+    return out if wait else lambda: out
 
 
 def step(src, dst, mesh, shape: tuple):
     """Local tensor -> local tensor moving torch placement ``src`` to ``dst`` on the 1-D
-    ``mesh`` for a tensor of global ``shape``, or None where no plain collective does it."""
+    ``mesh`` for a tensor of global ``shape``, or None where no plain collective does it.
+    Called with ``wait=False``, the function starts the collective and returns a function
+    that waits for it and returns the result."""
     n, group = mesh.size(), mesh.get_group()
 
     def even(p) -> bool:  # a plain shard (not packed) that the mesh divides

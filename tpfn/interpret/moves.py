@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
@@ -33,7 +34,7 @@ from tpfn.interpret.collectives import step as plain_step
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
-           "local_params", "vocab_mask", "dropout_slice"]
+           "local_params", "linear", "overlapping", "vocab_mask", "dropout_slice"]
 
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
@@ -101,8 +102,74 @@ class _Step:
                 return self.plain(x)
             return redistribute_local_tensor(x.contiguous(), *self.specs)
         except RuntimeError as error:
-            src, dst = (from_torch(spec.placements) for spec in self.specs)
-            raise failed(what, src, dst, error, self.specs[0].mesh) from error
+            raise self._failed(what, error) from error
+
+    def start(self, x: torch.Tensor, what: str):
+        """The move started, its collective left running: a function that waits for it and
+        returns the result (a move that DTensor's path makes is done before this returns)."""
+        if self.plain is None or type(x) is not torch.Tensor or x.device.type == "meta":
+            done = self(x, what)
+            return lambda: done
+        try:
+            finish = self.plain(x, wait=False)
+        except RuntimeError as error:
+            raise self._failed(what, error) from error
+
+        def wait():
+            try:
+                return finish()
+            except RuntimeError as error:
+                raise self._failed(what, error) from error
+        return wait
+
+    def _failed(self, what: str, error: Exception) -> CollectiveError:
+        src, dst = (from_torch(spec.placements) for spec in self.specs)
+        return failed(what, src, dst, error, self.specs[0].mesh)
+
+
+class _Inbox:
+    """Gradients handed to a move's backward apart from autograd's own, per backward (graph
+    task): a shared replica's column-wise readers' partial gradients (``_Contribute``), or
+    the input gradient of a ``linear`` that reads the move. Once all ``readers`` of this
+    forward are in, ``linear`` starts the move back (``start``) before its weight gradient;
+    the move's backward ``take``-s the result. ``seq``: the move's autograd sequence number
+    (a collective started early still belongs to it)."""
+
+    __slots__ = ("back", "what", "seq", "readers", "entries")
+
+    def __init__(self, back, what: str, seq: int):
+        self.back, self.what, self.seq, self.readers, self.entries = back, what, seq, 0, {}
+
+    def add(self, grad: torch.Tensor) -> bool:
+        """Add one reader's ``grad``; True once every reader's is in."""
+        task = torch._C._current_graph_task_id()
+        entry = self.entries.get(task)
+        if entry is None:
+            entry = self.entries[task] = [grad, 0, None]
+        else:
+            entry[0] = entry[0] + grad
+        entry[1] += 1
+        return entry[1] == self.readers
+
+    def start(self) -> None:
+        """Start the move back of this backward's summed gradient."""
+        entry = self.entries[torch._C._current_graph_task_id()]
+        if self.back is not None:
+            entry[2] = self.back.start(entry[0], f"the gradient of {self.what}")
+
+    def take(self):
+        """This backward's summed gradient moved back (None: no reader handed one in)."""
+        entry = self.entries.pop(torch._C._current_graph_task_id(), None)
+        if entry is None:
+            return None
+        summed, _, pending = entry
+        if pending is not None:
+            return pending()
+        return summed if self.back is None else self.back(summed, f"the gradient of {self.what}")
+
+
+def _plus(a, b):
+    return b if a is None else a if b is None else a + b
 
 
 class _Move(torch.autograd.Function):
@@ -110,7 +177,8 @@ class _Move(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, forward, backward, what):
-        ctx.backward, ctx.what = backward, what
+        ctx.set_materialize_grads(False)
+        ctx.backward, ctx.what, ctx.inbox = backward, what, None
         if forward is None:
             return x.view_as(x)
         return forward(x, what)
@@ -118,9 +186,9 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _first_order(ctx.what)
-        if ctx.backward is None:
-            return grad, None, None, None
-        return ctx.backward(grad, f"the gradient of {ctx.what}"), None, None, None
+        if grad is not None and ctx.backward is not None:
+            grad = ctx.backward(grad, f"the gradient of {ctx.what}")
+        return _plus(grad, None if ctx.inbox is None else ctx.inbox.take()), None, None, None
 
 
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
@@ -152,23 +220,16 @@ class _Share(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward, partial_back, whole_back, what, mesh):
         ctx.set_materialize_grads(False)
-        ctx.partial_back, ctx.whole_back, ctx.what = partial_back, whole_back, what
-        ctx.mesh, ctx.inbox = mesh, {}
+        ctx.whole_back, ctx.what = whole_back, what
+        ctx.mesh, ctx.inbox = mesh, _Inbox(partial_back, what, ctx._sequence_nr())
         return x.view_as(x) if forward is None else forward(x, what)
 
     @staticmethod
     def backward(ctx, grad):
         _first_order(ctx.what)
-        summed = ctx.inbox.pop(torch._C._current_graph_task_id(), None)
-        total = None
-        if summed is not None:
-            back = ctx.partial_back
-            total = summed if back is None else back(summed, f"the gradient of {ctx.what}")
-        if grad is not None:
-            back = ctx.whole_back
-            whole = grad if back is None else back(grad, f"the gradient of {ctx.what}")
-            total = whole if total is None else total + whole
-        return total, None, None, None, None, None
+        if grad is not None and ctx.whole_back is not None:
+            grad = ctx.whole_back(grad, f"the gradient of {ctx.what}")
+        return _plus(ctx.inbox.take(), grad), None, None, None, None, None
 
 
 class _Contribute(torch.autograd.Function):
@@ -177,13 +238,15 @@ class _Contribute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, inbox):
+        ctx.set_materialize_grads(False)
         ctx.inbox = inbox
+        inbox.readers += 1
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        task, inbox = torch._C._current_graph_task_id(), ctx.inbox
-        inbox[task] = grad if task not in inbox else inbox[task] + grad
+        if grad is not None:
+            ctx.inbox.add(grad)
         return None, None
 
 
@@ -272,6 +335,57 @@ def _traced_move(x, src, dst, grad, mesh, shape: tuple):
     if src != dst:
         dt = dt.redistribute(mesh, placements(dst, ndim))
     return dt.to_local(grad_placements=None if grad is None else placements(grad, ndim))
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` on local tensors whose input gradient a move takes (``inbox``): backward
+    hands the input gradient in and, with ``overlap``, once every reader's is in, starts the
+    move's collective, then computes the weight and bias gradients while it runs (Megatron's
+    overlap); the move's backward waits for it. The same numbers either way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, inbox, overlap):
+        ctx.save_for_backward(x, weight)
+        ctx.inbox, ctx.overlap, ctx.bias = inbox, overlap, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _first_order("a column-wise linear's local shards")
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0] and ctx.inbox.add(g.mm(weight).view(x.shape)) and ctx.overlap:
+            ctx.inbox.start()
+        gw = g.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
+        return None, gw, gb, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias, overlap: bool) -> torch.Tensor:
+    """``nn.Linear``'s forward on local shards. Where ``x`` comes from a move whose backward
+    reduces its gradient (Megatron's f: a replica's partial sums, or a sequence shard's
+    gather), that reduction starts before the weight gradient and ends after it (``overlap``:
+    else it waits; the numbers are the same)."""
+    device = x.device.type
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.grad_fn is None \
+            or type(x) is not torch.Tensor or \
+            (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return F.linear(x, weight, bias)
+    node = x.grad_fn
+    if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
+        inbox = node.inbox
+    elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
+        inbox = node.inbox = _Inbox(node.backward, node.what, node._sequence_nr())
+        inbox.readers = 1
+    else:
+        return F.linear(x, weight, bias)
+    return _Linear.apply(x, weight, bias, inbox, overlap)
+
+
+def overlapping(node) -> int | None:
+    """Where the running backward ``node`` is a ``linear``'s: the sequence number of the move
+    whose collective it starts before its weight gradient; else None."""
+    return node.inbox.seq if isinstance(node, _Linear._backward_cls) else None
 
 
 class _BiasOnce(torch.autograd.Function):

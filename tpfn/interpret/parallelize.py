@@ -29,7 +29,9 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.moves import (
+    dropout_slice, linear, local_params, param_slots, placements, vocab_mask,
+)
 from tpfn.interpret.prepare import (
     convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs, shard_params, unpackable,
 )
@@ -49,15 +51,18 @@ class Runtime:
     """A bound module's ``forward``: its mount run on ``mesh``, around the module's own
     forward. ``state`` is what the parallelized model remembers; ``cache`` keeps the specs
     of this module's moves; ``watch(label, value)``, when set, sees every slot's value as it
-    arrives (``tpfn.explain`` reads layouts with it)."""
+    arrives, and ``starts(args, kwargs)`` the inputs as the module's own computation starts
+    (``tpfn.explain`` reads layouts, and where each slot's moves end, with them)."""
 
-    def __init__(self, mount, mesh, state: State, module: nn.Module):
+    def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.forward = module.forward
+        self.forward, self.overlap = module.forward, overlap
         self.cache: dict = {}
-        self.watch = None
+        self.watch = self.starts = None
         kernel = mount.kernel
         self.slots = param_slots(module, mount.owned) if kernel is not None else ()
+        self.linear = kernel is not None and type(module) is nn.Linear and not kernel.vocab \
+            and kernel.random is None and getattr(self.forward, "__func__", None) is nn.Linear.forward
         self.grads = tuple(
             kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
             and kernel.inputs[i][0] is not None else (None if s.untouched else cotangent(s.out)[0])
@@ -82,6 +87,7 @@ class Runtime:
                                       cache=self.cache, first_shape=shape,
                                       share=kernel is None)
         if kernel is None:
+            self._start(args, kwargs)
             return self._outputs(self.forward(*args, **kwargs), None)
         first, mask = self._first(args, kwargs), None
         if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
@@ -93,6 +99,11 @@ class Runtime:
             dim = placements(kernel.output, first.ndim)[0].dim
             return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
         views = local_params(self.slots, kernel, mesh, self.cache)
+        self._start(args, kwargs)
+        if self.linear and len(args) == 1 and not kwargs:  # nn.Linear's forward, without a swap
+            local = {name: view for _, name, view in views}
+            weight, bias = (local.get(n, getattr(self.module, n)) for n in ("weight", "bias"))
+            return self._outputs(linear(args[0], weight, bias, self.overlap), shape)
         saved = [(table, name, table[name]) for table, name, _ in views]
         try:
             for table, name, view in views:
@@ -105,6 +116,10 @@ class Runtime:
         if mask is not None and isinstance(output, torch.Tensor):
             output = output.masked_fill(mask.unsqueeze(-1), 0)
         return self._outputs(output, shape)
+
+    def _start(self, args, kwargs) -> None:
+        if self.starts is not None:
+            self.starts(args, kwargs)
 
     def _first(self, args, kwargs):
         names = self.mount.names
@@ -203,7 +218,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
                 plan: Plan | dict | Style | None = None, *,
-                src_rank: int | None = 0) -> nn.Module:
+                src_rank: int | None = 0, overlap: bool = True) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to the one of the enclosing ``with mesh:`` block, as PyTorch's
@@ -214,6 +229,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
     whose parameter values every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps
     each rank's own values and communicates nothing (for modules initialized identically, or
     on the meta device).
+    ``overlap``: a column-wise ``nn.Linear`` whose input gradient is reduced (all-reduced, or
+    reduce-scattered under sequence parallelism) starts that collective before computing its
+    weight gradient and waits for it after, as Megatron-LM does; ``False`` waits at once
+    (the same collectives, the same numbers, bit for bit).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -227,6 +246,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
     >>> mlp[0].weight.placements, mlp(torch.ones(2, 8)).shape
     ((Shard(dim=0),), torch.Size([2, 8]))
     """
+    if not isinstance(overlap, bool):
+        raise TypeError(f"'overlap' must be True or False (got {overlap!r}).")
     if not isinstance(module, nn.Module):
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
     if plan is None:
@@ -256,7 +277,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
-        sub.forward = Runtime(m, mesh, state, sub)
+        sub.forward = Runtime(m, mesh, state, sub, overlap)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _described(m, sub))
     return module

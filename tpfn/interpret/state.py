@@ -76,10 +76,10 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     mine = TENSOR_SHAPES.get(local)
     if mine is not None and mine[0] == key and not (exact and isinstance(mine[1], Guess)):
         return mine[1]
-    found = derived_shape(local) if mesh.size() > 1 else None
-    if found is not None and found[0] == key:  # as an elementwise op keeps local shapes
-        return found[1]
     if exact and what is not None and mesh.size() > 1:
+        found = derived_shape(local)
+        if found is not None and found[0] == key:  # as an elementwise op keeps local shapes
+            return found[1]
         if found is not None:  # a graph that every rank has: no rank exchanges
             raise LayoutError(
                 f"{what}: the global shape of this sharded local tensor is unknown: it is "

@@ -1,0 +1,182 @@
+"""A column-wise nn.Linear's input-gradient reduction overlaps its weight gradient.
+
+With ``parallelize(..., overlap=True)`` (the default) the backward of a column-wise linear
+whose input gradient a move reduces (Megatron's f: an all-reduce, or a reduce-scatter under
+sequence parallelism; one for q, k and v together when they share a replica) starts that
+collective before computing its weight gradient and waits after. ``overlap=False`` waits at
+once. The two give the same outputs and gradients bit for bit and the same collectives;
+both match one device. Every case where a reader's gradient goes missing or comes twice
+(an unused projection, a graph backwarded twice, ``torch.autograd.grad``) is checked.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tpfn
+from tests.models import (
+    clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
+)
+from tests.ranks import mesh
+from tpfn import Replicate, colwise, prepare_in, rowwise
+
+# One forward and backward against one device: sharding reorders float32 sums only (a few
+# ulps); a lost or doubled reduction is off by order 1.
+TOL = 1e-5
+
+
+def _grads(model: nn.Module) -> dict:
+    return {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _transformer_pair(sp: bool):
+    """The reference Transformer, parallelized with and without overlap: outputs, gradients
+    and collectives of one step, and the overlapped model's largest error against one device."""
+    m = mesh(2)
+    ref = transformer(vocab_size=64, dim=32, n_heads=4, n_layers=2, max_seq_len=16,
+                      weight_tying=False)
+    runs = {}
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for overlap in (True, False):
+        tp = local_heads(tpfn.parallelize(clone(ref), m, transformer_plan(sp), overlap=overlap), 2)
+        out = {}
+        comm = counts(lambda: out.setdefault("y", tp(tokens)).float().pow(2).mean().backward())
+        runs[overlap] = (out["y"].detach(), _grads(tp), comm, tp)
+    ref(tokens).float().pow(2).mean().backward()
+    error = max(max_rel_err(runs[True][3], ref, grads=True).values())
+    same = torch.equal(runs[True][0], runs[False][0]) and runs[True][1].keys() == runs[False][1].keys() \
+        and all(torch.equal(g, runs[False][1][n]) for n, g in runs[True][1].items())
+    return same, runs[True][2], runs[False][2], error, len(runs[True][1]) == len(list(ref.parameters()))
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["sp off", "sp on"])
+def test_overlap_gives_the_synchronous_numbers_and_collectives(ranks2, sp):
+    same, comm_on, comm_off, error, every = ranks2.run(_transformer_pair, sp)[0]
+    assert same  # outputs and every gradient, bit for bit
+    assert comm_on == comm_off
+    assert error <= TOL
+    assert every  # every parameter got its gradient
+
+
+class _Ops(TorchDispatchMode):
+    """The matrix products and all-reduces of a run, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(("aten.mm", "c10d.allreduce_")):
+            self.ops.append("mm" if name.startswith("aten.mm") else "all_reduce")
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_order(overlap: bool):
+    m = mesh(2)
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+    tp = tpfn.parallelize(mlp, m, {"0": colwise(), "2": rowwise()}, overlap=overlap)
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = tp(x).sum()
+    with _Ops() as seen:
+        loss.backward()
+    return seen.ops
+
+
+def test_the_reduction_starts_before_the_weight_gradient(ranks2):
+    # backward: layer 2's input and weight gradients, then layer 0's input gradient (the
+    # all-reduce's operand) and weight gradient
+    on, off = ranks2.run(_backward_order, True)[0], ranks2.run(_backward_order, False)[0]
+    assert on == ["mm", "mm", "mm", "all_reduce", "mm"]
+    assert off == ["mm", "mm", "mm", "mm", "all_reduce"]
+
+
+class QKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, use=("q", "k", "v")):
+        h = sum(getattr(self, n)(x) for n in use)
+        return self.o(h)
+
+
+PLAN = {"": prepare_in(Replicate(), local=True), "q": colwise(), "k": colwise(),
+        "v": colwise(), "o": rowwise()}
+
+
+def _edge_cases():
+    m = mesh(2)
+    ref = QKV()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    errors, comms = {}, {}
+
+    def check(name, fn):
+        tp = tpfn.parallelize(clone(ref), m, PLAN)
+        one = clone(ref)
+        xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        if name == "autograd.grad":  # CommDebugMode's module tracker cannot run inside one
+            fn(tp, xs[0])
+        else:
+            comms[name] = counts(lambda: fn(tp, xs[0]))
+        fn(one, xs[1])
+        mine, theirs = dict(tp.named_parameters()), dict(one.named_parameters())
+        errors[name] = max(rel_err(xs[0].grad, xs[1].grad), *(
+            (0.0 if p.grad is None else float("inf")) if theirs[n].grad is None else
+            float("inf") if p.grad is None else rel_err(p.grad, theirs[n].grad)
+            for n, p in mine.items()))
+
+    def only_q(model, xi):  # k and v read the replica but hand back no gradient
+        model(xi, use=("q",)).pow(2).sum().backward()
+
+    def twice(model, xi):  # one graph backwarded twice: gradients accumulate
+        loss = model(xi).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    def unused_v(model, xi):  # v's output is computed but not used
+        model.v(xi)
+        model(xi, use=("q", "k")).pow(2).sum().backward()
+
+    def autograd_grad(model, xi):  # gradients returned, not accumulated
+        loss = model(xi).pow(2).sum()
+        params = [p for p in model.parameters()]
+        grads = torch.autograd.grad(loss, [xi, *params])
+        xi.grad = grads[0]
+        for p, g in zip(params, grads[1:]):
+            p.grad = g
+
+    for name, fn in {"only q": only_q, "twice": twice, "unused v": unused_v,
+                     "autograd.grad": autograd_grad}.items():
+        check(name, fn)
+    return errors, comms
+
+
+def test_readers_that_hand_back_no_gradient_or_twice(ranks2):
+    errors, comms = ranks2.run(_edge_cases)[0]
+    for name, error in errors.items():
+        assert error <= TOL, name
+    assert comms["only q"] == {"all_reduce": 2}  # o's forward, q's input gradient
+    assert comms["twice"] == {"all_reduce": 3}  # one forward, two backwards
+
+
+def _second_order():
+    tp = tpfn.parallelize(nn.Linear(8, 8), mesh(2), colwise())  # its output: the local shard
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    y = tp(x)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    return g
+
+
+def test_a_second_order_gradient_is_refused(ranks2):
+    with pytest.raises(AssertionError, match="a second-order gradient .* runs through a "
+                       "column-wise linear's local shards"):
+        ranks2.run(_second_order)
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"'overlap' must be True or False \(got 'yes'\)"):
+        tpfn.parallelize(nn.Linear(2, 2), None, colwise(), overlap="yes")
