@@ -93,17 +93,21 @@ def test_a_model_made_under_the_mode_equals_one_device(world):
     assert max(found.values()) <= TOL, found
 
 
+def _simulated(n: int, mesh, ref: nn.Module, plan, x) -> dict:
+    """The errors of ``plan`` on a copy of ``ref`` run under the mode, two steps on ``x``."""
+    expected = two_steps(ref, x)
+    with LocalTensorMode(n):
+        model = tpfn.parallelize(clone(ref), mesh, plan)
+        return errors(model, ref, two_steps(model, x), expected)
+
+
 def test_an_uneven_vocabulary_equals_one_device(world):
     n, mesh = world
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Embedding(15, 8), nn.LayerNorm(8), nn.Linear(8, 4))
     plan = {"0": rowwise() >> prepare_out(Shard(1)), "1": sequence_parallel(),
             "2": tpfn.prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate())}
-    ids = torch.arange(15).reshape(3, 5) % 15
-    expected = two_steps(ref, ids)
-    with LocalTensorMode(n):
-        model = tpfn.parallelize(clone(ref), mesh, plan)
-        found = errors(model, ref, two_steps(model, ids), expected)
+    found = _simulated(n, mesh, ref, plan, torch.arange(15).reshape(3, 5) % 15)
     assert max(found.values()) <= TOL, found
 
 
@@ -113,11 +117,7 @@ def test_packed_parts_equal_one_device(world):
     torch.manual_seed(0)
     ref = FusedGQA(dim=8 * heads, heads=heads, kv_heads=kv).double()
     plan = {"qkv_proj": colwise(parts=(8 * heads, 8 * kv, 8 * kv)), "o_proj": rowwise()}
-    x = torch.randn(2, 6, 8 * heads, dtype=torch.float64)
-    expected = two_steps(ref, x)
-    with LocalTensorMode(n):
-        model = tpfn.parallelize(clone(ref), mesh, plan)
-        found = errors(model, ref, two_steps(model, x), expected)
+    found = _simulated(n, mesh, ref, plan, torch.randn(2, 6, 8 * heads, dtype=torch.float64))
     assert max(found.values()) <= TOL64, found
 
 

@@ -69,6 +69,12 @@ def next_sequence_nr() -> int:
 def rank_sizes(shape) -> tuple:
     """``shape`` as a hashable tuple: a size that differs by rank under ``LocalTensorMode``
     (an uneven shard) as the ``(rank, size)`` pairs of its ranks."""
+    shape = tuple(shape)
+    for s in shape:
+        if type(s) is not int:
+            break
+    else:  # plain sizes: the shape itself
+        return shape
     return tuple(tuple(sorted(s.node._local_ints.items()))
                  if isinstance(s, torch.SymInt) and isinstance(s.node, LocalIntNode) else s
                  for s in shape)

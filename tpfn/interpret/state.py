@@ -68,7 +68,7 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
     ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
     the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
-    if not any(p.is_shard() for p in placements):  # whole on every rank
+    if mesh.size() == 1 or not any(p.is_shard() for p in placements):  # whole on every rank
         return tuple(local.shape)
     if torch.compiler.is_compiling():
         return _even(local, placements, mesh)
@@ -76,7 +76,7 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     mine = TENSOR_SHAPES.get(local)
     if mine is not None and mine[0] == key and not (exact and isinstance(mine[1], Guess)):
         return mine[1]
-    if exact and what is not None and mesh.size() > 1:
+    if exact and what is not None:
         found = derived_shape(local)
         if found is not None and found[0] == key:  # as an elementwise op keeps local shapes
             return found[1]
@@ -90,8 +90,6 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
         if shape is not None:
             TENSOR_SHAPES[local] = (key, shape)
             return shape
-    if mesh.size() == 1:
-        return tuple(local.shape)
     return Guess(table[key] if table is not None and key in table else _even(local, placements, mesh))
 
 
@@ -132,9 +130,10 @@ class Shapes:
     def remember(self, local, placements: tuple, global_shape, mesh) -> None:
         if torch.compiler.is_compiling():  # a compiled graph would guard on the memory
             return
-        if any(p.is_shard() for p in placements):
+        if mesh.size() > 1 and any(p.is_shard() for p in placements):  # one rank: all whole
             key = _key(local, placements, mesh)
-            shape = Guess(global_shape) if isinstance(global_shape, Guess) else tuple(global_shape)
+            shape = global_shape if type(global_shape) is tuple else (
+                Guess(global_shape) if isinstance(global_shape, Guess) else tuple(global_shape))
             TENSOR_SHAPES[local] = (key, shape)
             if local.grad_fn is not None and not isinstance(shape, Guess):
                 local.grad_fn.metadata.setdefault(_NODE_KEY, {})[local.output_nr] = (key, shape)
