@@ -805,5 +805,6 @@ def test_hugging_face_attention_gets_no_head_lints():
                                       n_positions=16, eos_token_id=0, bos_token_id=0))
     gpt2_plan = {"transformer.wte": rowwise(), "lm_head": colwise() >> prepare_out(Replicate())}
     assert tpfn.explain(gpt2, gpt2_plan, world_size=2, example_inputs=(2, 8)).lints == ()
-    with pytest.raises(PlanError, match=r"it shards nn\.Linear and nn\.Embedding, not Conv1D"):
+    with pytest.raises(PlanError, match=r"it shards nn\.Linear, nn\.Embedding and "
+                                        r"nn\.MultiheadAttention, not Conv1D"):
         tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)

@@ -127,7 +127,8 @@ def test_the_plan_s_rows_come_before_the_class_s_and_the_table_s():
         ("weight", Shard(0, parts=2)),)
     assert tpfn.resolve(colwise(), nn.Linear(4, 8, bias=False))[0].params == (("weight", Shard(0)),)
     with pytest.raises(PlanError, match=r"colwise\(\) at '<root>' \(ScaledLinear\): it shards "
-                                        r"nn.Linear and nn.Embedding, not ScaledLinear\."):
+                                        r"nn.Linear, nn.Embedding and nn.MultiheadAttention, "
+                                        r"not ScaledLinear\."):
         tpfn.resolve(colwise(), ScaledLinear(4, 8))
 
 

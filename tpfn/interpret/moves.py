@@ -366,12 +366,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, overlap: bool) -> torch.
     reduces its gradient (Megatron's f: a replica's partial sums, or a sequence shard's
     gather), that reduction starts before the weight gradient and ends after it (``overlap``:
     else it waits; the numbers are the same)."""
-    device = x.device.type
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.grad_fn is None \
-            or type(x) is not torch.Tensor or \
-            (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+    if torch.compiler.is_compiling():  # (reading grad_fn would break the graph)
         return F.linear(x, weight, bias)
     node = x.grad_fn
+    if node is None or not torch.is_grad_enabled() or type(x) is not torch.Tensor \
+            or _autocast(x.device.type):
+        return F.linear(x, weight, bias)
     if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
         inbox = node.inbox
     elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
@@ -380,6 +380,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias, overlap: bool) -> torch.
     else:
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, inbox, overlap)
+
+
+def _autocast(device: str) -> bool:
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def overlapping(node) -> int | None:
@@ -442,7 +446,7 @@ def local_params(slots: tuple, kernel, mesh, cache: dict) -> list:
         view = made.get(id(param))
         if view is None:
             view = _view(param, grads.get(full), cache)
-            if kernel.bias_once and full == "bias" and mesh.size() > 1:
+            if full == kernel.once and mesh.size() > 1:
                 view = _BiasOnce.apply(view, mesh.size())
             made[id(param)] = view
         views.append((owner, name, view))

@@ -18,6 +18,7 @@ them on (a row-wise module's are summed), whenever they were registered.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -56,10 +57,12 @@ class Runtime:
 
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.forward, self.overlap = module.forward, overlap
+        kernel = mount.kernel
+        own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
+        self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
+        self.overlap = overlap
         self.cache: dict = {}
         self.watch = self.starts = None
-        kernel = mount.kernel
         self.slots = param_slots(module, mount.owned) if kernel is not None else ()
         self.linear = kernel is not None and type(module) is nn.Linear and not kernel.vocab \
             and kernel.random is None and getattr(self.forward, "__func__", None) is nn.Linear.forward
@@ -261,6 +264,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
              f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
              "leave it out of this plan." for m in bound if mounted(modules[m.fqn])]
     rule, tied = _placements(modules, bound, mesh.size())
+    fits = [(m, m.kernel.fits(modules[m.fqn], mesh.size())) for m in bound
+            if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
+    found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
     if found + tied:
         raise PlanError(found + tied)
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torch.distributed import tensor as _dt
 
-from tpfn._torch import heads_mesh, keep_mesh, per_rank
+from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
 from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared
@@ -226,7 +226,8 @@ def not_a_tensor(x, slot, what: str) -> TypeError:
 def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = False) -> tuple:
     """The global shape of an input or output (``what``) arriving at ``slot``. That of a
     sharded local tensor no slot handed on is a ``Guess`` (rank 0's 4 positions may be 7 or
-    8) unless the slot moves it or ``exact`` asks: then the ranks exchange their local shapes
+    8) unless the slot moves it or ``exact`` asks: then it is that of the tensor it was
+    computed from (``derived_shape``), else the ranks exchange their local shapes
     (``tpfn.interpret.agree``), or all raise the same ``LayoutError``."""
     if isinstance(x, DTensor):
         return tuple(x.shape)
@@ -253,11 +254,12 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
-        given = placements(src, x.ndim)  # a DTensor, a move, a gradient moved back: exact
-        exact = not local or given != placements(slot.out, x.ndim) or (
-            grad is not None and placements(grad, x.ndim) != given)
-        if shape is None or (exact and isinstance(shape, Guess)):
-            shape = global_shape(x, slot, mesh, shapes, what, exact=exact)
+        if shape is None or isinstance(shape, Guess):
+            given = placements(src, x.ndim)  # a DTensor, a move, a gradient moved back: exact
+            exact = not local or given != placements(slot.out, x.ndim) or (
+                grad is not None and placements(grad, x.ndim) != given)
+            if shape is None or exact:
+                shape = global_shape(x, slot, mesh, shapes, what, exact=exact)
         elif not isinstance(shape, tuple):
             shape = tuple(shape)
         if local and slot.grad is not None:  # its gradient handed back as terms (grads=)
@@ -296,6 +298,18 @@ def _spec(spec, kind, name: str, side: str):
     return spec
 
 
+def _source(x):
+    """The tensor ``x`` is, seen through module hooks' identity wrappers (each input its own):
+    the autograd node and output it wraps, else ``(x, None)``."""
+    node = None if torch.compiler.is_compiling() else getattr(x, "grad_fn", None)
+    if not isinstance(node, HookIdentity):
+        return x, None
+    index = x.output_nr
+    while isinstance(node, HookIdentity):
+        node, index = node.next_functions[index]
+    return node, index
+
+
 def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *,
                    names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
@@ -326,9 +340,18 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
     shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
 
+    done: list = []  # an input passed at several positions moves once (one gradient back)
+
     def one(x, slot, grad, what, shape=None):
-        return convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
-                       shapes=shapes, cache=cache, shape=shape, share=share)
+        source, index = _source(x)
+        for seen, i, at, back, out in done:
+            if seen is source and i == index and at == slot and back == grad:
+                return out
+        out = convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
+                      shapes=shapes, cache=cache, shape=shape, share=share)
+        if isinstance(x, torch.Tensor):
+            done.append((source, index, slot, grad, out))
+        return out
 
     for i, slot in enumerate(spec.slots):
         what = f"input {i} of {where}"

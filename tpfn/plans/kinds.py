@@ -4,7 +4,8 @@ A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module an
 parameters the style governs; it returns a ``Meaning``: the built-in written as a
 composition of primitives (``params(...) >> on_shards(...)``), what the module needs beyond
 them (a bias added once to partial sums, ids outside the rank's vocabulary slice masked,
-dropout noise drawn as one device draws it), and whether the module computes on local
+dropout noise drawn as one device draws it, a forward on local shards where the kind's own
+reads global sizes, as ``nn.MultiheadAttention``'s reads ``num_heads``), and whether the module computes on local
 shards (its forward is the kind's own) or on DTensors in the same layouts. Built-ins and
 ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 
@@ -19,7 +20,9 @@ from __future__ import annotations
 import functools
 
 import attrs
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tpfn._torch import MIXING, DropoutNd, parameter
 
@@ -44,16 +47,26 @@ class Kernel:
     (each rank its own stream, ``tpfn.rng.sharded``) or ``"slice"`` (an ``nn.Dropout``
     applies its slice of the whole tensor's mask, as one device draws it); ``shape``: the
     global shape of the output from that of input 0 (None: kept where the output is laid
-    out as input 0, else recalled).
+    out as input 0, else recalled); ``forward``: ``forward(module, mesh, where, *inputs)``,
+    the module's computation on local shards where the kind's own reads global sizes (None:
+    the module's own); ``fits``: ``fits(module, n)``, why ``n`` ranks cannot hold it (None:
+    they can; the layouts' own checks aside).
     """
 
     output: object
     inputs: tuple = ()
     grads: tuple = ()
-    bias_once: bool = False
+    bias_once: bool | str = False
     vocab: bool = False
     random: object = None
     shape: object = None
+    forward: object = None
+    fits: object = None
+
+    @property
+    def once(self) -> str | None:
+        """The name of the replicated bias added once to partial sums (None: none)."""
+        return "bias" if self.bias_once is True else self.bias_once or None
 
     def out_shape(self, module: nn.Module, in_shape):
         """The global shape of the output for input 0 of global shape ``in_shape`` (None:
@@ -74,10 +87,12 @@ class Meaning:
 
     style: Style
     local: bool = True
-    bias_once: bool = False
+    bias_once: bool | str = False
     vocab: bool = False
     random: object = None
     shape: object = None
+    forward: object = None
+    fits: object = None
 
 
 def _own_forward(module: nn.Module, kind: type) -> bool:
@@ -183,9 +198,123 @@ def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
         random=random)
 
 
+def _attention_refusal(core, module: nn.MultiheadAttention, owned: tuple) -> str | None:
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        return (f"{type(module).__name__} overrides nn.MultiheadAttention.forward, and colwise() "
+                "computes nn.MultiheadAttention's own on each rank's heads; shard it with "
+                "params(...) >> on_shards(...) for its forward, or leave it out of the plan.")
+    if core.parts != 1 or core.heads is not None:
+        return ("nn.MultiheadAttention packs its q, k and v in in_proj_weight and colwise() "
+                "shards them by heads itself; use colwise().")
+    if module.kdim != module.embed_dim or module.vdim != module.embed_dim:
+        return (f"nn.MultiheadAttention(kdim={module.kdim}, vdim={module.vdim}) keeps q, k and v "
+                f"in separate weights (q_proj_weight, k_proj_weight, v_proj_weight), which "
+                f"colwise() does not shard; build it with kdim = vdim = embed_dim "
+                f"({module.embed_dim}), or leave it out of the plan.")
+    options = [o for o, on in (("add_bias_kv", module.bias_k is not None),
+                               ("add_zero_attn", module.add_zero_attn)) if on]
+    if options:
+        return (f"nn.MultiheadAttention({options[0]}=True) appends a key and value to every "
+                f"sequence, which colwise() does not compute on shards; build it without "
+                f"{options[0]}, or leave it out of the plan.")
+    if "out_proj.weight" not in owned:
+        return ("its out_proj is bound to a style of its own, but nn.MultiheadAttention.forward "
+                "reads out_proj's parameters itself (it never calls out_proj); leave out_proj "
+                "out of the plan: colwise() on the attention shards it.")
+    return None
+
+
+def _attention_fits(module: nn.MultiheadAttention, n: int) -> str | None:
+    if module.num_heads % n == 0:
+        return None
+    return (f"its {module.num_heads} heads do not split evenly over {n} ranks, and each rank "
+            f"computes whole heads; choose a mesh size that divides {module.num_heads}.")
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask (True: not attended) as the float one softmax adds."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+def _head_mask(mask, key_padding_mask, q, module, mesh, where: str):
+    """``attn_mask`` and ``key_padding_mask`` as one additive mask over this rank's heads,
+    (batch, heads, target, source) or broadcast to it (None: none)."""
+    batch, heads, target = q.shape[:3]
+    out = None
+    if mask is not None:
+        mask = _additive(mask, q.dtype)
+        if mask.dim() == 3 and mask.shape[0] == batch * module.num_heads:  # per head: ours
+            first = mesh.get_coordinate()[0] * heads
+            mask = mask.unflatten(0, (batch, module.num_heads))[:, first:first + heads]
+        elif mask.dim() != 2:
+            raise ValueError(
+                f"{where} got attn_mask of shape {tuple(mask.shape)}; sharded by heads it takes "
+                f"one mask for every head, (target, source), or one per head, (batch * "
+                f"num_heads, target, source) = ({batch * module.num_heads}, {target}, source).")
+        out = mask
+    if key_padding_mask is not None:
+        pad = _additive(key_padding_mask, q.dtype).reshape(batch, 1, 1, -1)
+        out = pad if out is None else out + pad
+    return out
+
+
+def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, key, value,
+                       key_padding_mask=None, need_weights=True, attn_mask=None,
+                       average_attn_weights=True, is_causal=False):
+    """``nn.MultiheadAttention.forward`` on this rank's heads: the local ``in_proj_weight``
+    (its slice of q, k and v, whole heads), scaled dot-product attention per head, and the
+    local columns of ``out_proj``, which leave a partial sum (its bias added once)."""
+    if need_weights:
+        raise ValueError(
+            f"{where} computes on each rank's heads (colwise()), so need_weights=True would "
+            "return attention weights averaged over one rank's heads; call it with "
+            "need_weights=False (nn.TransformerEncoderLayer does), or leave it out of the plan.")
+    batched = query.dim() == 3
+
+    def batch_first(x):  # (batch, sequence, features)
+        return x if batched and module.batch_first else x.transpose(0, 1) if batched else x[None]
+
+    w, b = module.in_proj_weight, module.in_proj_bias
+    if key is query and value is query:  # self-attention: one projection of the input
+        q, k, v = F.linear(batch_first(query), w, b).chunk(3, dim=-1)
+    else:
+        bs = (None,) * 3 if b is None else b.chunk(3)
+        q, k, v = (F.linear(batch_first(x), wx, bx)
+                   for x, wx, bx in zip((query, key, value), w.chunk(3), bs))
+    q, k, v = (x.unflatten(-1, (-1, module.head_dim)).transpose(1, 2) for x in (q, k, v))
+    if is_causal and attn_mask is None:
+        raise RuntimeError(f"{where}: is_causal=True needs attn_mask too, as "
+                           "nn.MultiheadAttention does (the causal mask, a hint).")
+    causal = is_causal and key_padding_mask is None
+    mask = None if causal else _head_mask(attn_mask, key_padding_mask, q, module, mesh, where)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                       dropout_p=module.dropout if module.training else 0.0)
+    y = F.linear(y.transpose(1, 2).flatten(2), module.out_proj.weight, module.out_proj.bias)
+    return (y if module.batch_first else y.transpose(0, 1)) if batched else y[0], None
+
+
+def colwise_attention(core, module: nn.MultiheadAttention, where: str, owned: tuple):
+    """Megatron's attention in one module: q, k and v column-wise by heads (each a third of
+    ``in_proj_weight``), ``out_proj`` row-wise, its partial sums all-reduced once."""
+    why = _attention_refusal(core, module, owned)
+    if why is not None:
+        return f"{core!r} at {where}: {why}"
+    qkv, bias = Shard(0, parts=3), module.in_proj_bias is not None
+    rules = {"in_proj_weight": qkv, "out_proj.weight": Shard(1),
+             **({"in_proj_bias": qkv, "out_proj.bias": Replicate()} if bias else {})}
+    return Meaning(
+        params(**rules) >> on_shards(Replicate(), Replicate(), Replicate(), grads=Partial())
+        >> prepare_out(Replicate(), given=Partial()),
+        bias_once="out_proj.bias" if bias else False, random="fork" if module.dropout else None,
+        forward=attention_on_heads, fits=_attention_fits)
+
+
 # (built-in, module kind) -> its row; the first kind the module is an instance of applies.
 TABLE = {
-    "colwise": ((nn.Linear, colwise_linear), (nn.Embedding, colwise_embedding)),
+    "colwise": ((nn.Linear, colwise_linear), (nn.Embedding, colwise_embedding),
+                (nn.MultiheadAttention, colwise_attention)),
     "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding)),
     "sequence_parallel": ((nn.Module, sequence_parallel_any),),
 }
@@ -209,5 +338,6 @@ def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()
     for kind, row in TABLE[core.kind]:
         if isinstance(module, kind):
             return row(core, module, where, owned)
-    kinds = " and ".join(f"nn.{kind.__name__}" for kind, _ in TABLE[core.kind])
+    *most, last = (f"nn.{kind.__name__}" for kind, _ in TABLE[core.kind])
+    kinds = f"{', '.join(most)} and {last}" if most else last
     return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}."

@@ -112,7 +112,7 @@ def _expand(style: Style, core: Core, found: list, module, where: str, own: tupl
         found.append(row)
         return None, None
     return _expanded(style, core, row.style, row.local), {"bias_once": row.bias_once, "vocab": row.vocab, "random": row.random,
-                      "shape": row.shape}
+                      "shape": row.shape, "forward": row.forward, "fits": row.fits}
 
 
 def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple = ()):
