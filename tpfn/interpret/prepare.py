@@ -58,7 +58,10 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
     """
     out, views = {}, {}
     for name, layout in rule.items():
-        param = placed_tensor(module, name)
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner)
+        is_param = leaf in sub._parameters  # (not isinstance: a LocalTensorMode copy is none)
+        param = sub._parameters[leaf] if is_param else sub.get_buffer(leaf)
         problem = unpackable(name, param.shape, layout, mesh.size())
         if problem:
             raise LayoutError(problem)
@@ -76,7 +79,7 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
                 dt, on = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh
             else:
                 dt, on = _beyond_dtensor(param, mesh, layout, src_rank, views)
-        if _is_parameter(module, name):
+        if is_param:
             dt = nn.Parameter(dt, requires_grad=param.requires_grad)
         out[name] = keep_mesh(dt, on)
     return out
@@ -87,13 +90,6 @@ def placed_tensor(module: nn.Module, name: str) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     sub = module.get_submodule(owner)
     return sub._parameters[leaf] if leaf in sub._parameters else sub.get_buffer(leaf)
-
-
-def _is_parameter(module: nn.Module, name: str) -> bool:
-    """Whether ``name`` (dotted) names a parameter of ``module`` (a ``LocalTensor`` parameter
-    deep-copied under ``LocalTensorMode`` is no ``nn.Parameter`` instance)."""
-    owner, _, leaf = name.rpartition(".")
-    return leaf in module.get_submodule(owner)._parameters
 
 
 def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
