@@ -27,8 +27,8 @@ TOL64 = 1e-12
 def world(request):
     """A fake world of n ranks in this process (the mode simulates every one) and its mesh,
     built outside the mode, as PyTorch's own local-tensor tests do."""
-    if dist.is_initialized():
-        pytest.skip("this process has a default process group already")
+    assert not dist.is_initialized(), (
+        "this process has a default process group already: a test before this one left it")
     dist.init_process_group("fake", rank=0, world_size=request.param, store=FakeStore())
     try:
         yield request.param, init_device_mesh("cpu", (request.param,))

@@ -31,10 +31,11 @@ from tpfn._torch import (
 from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
 from tpfn.interpret.collectives import step as plain_step
+from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
-           "local_params", "linear", "overlapping", "vocab_mask", "dropout_slice"]
+           "local_params", "linear", "overlapping", "unhooked", "vocab_mask", "dropout_slice"]
 
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
@@ -253,12 +254,17 @@ class _Contribute(torch.autograd.Function):
 _REPLICA, _PARTIAL = Replicate(), Partial()  # made once: compiled code cannot build them
 
 
+def unhooked(node, nr: int) -> tuple:
+    """``(node, output number)`` past module hooks' identity wrappers (output i is input i)."""
+    while isinstance(node, HookIdentity):
+        node, nr = node.next_functions[nr]
+    return node, nr
+
+
 def _sharer(x: torch.Tensor, mesh):
     """The ``_Share`` node on ``mesh`` whose output ``x`` is (through module hooks' identity
     wrappers), or None."""
-    node, index = x.grad_fn, x.output_nr
-    while isinstance(node, HookIdentity):  # outputs and inputs correspond one to one
-        node, index = node.next_functions[index]
+    node, index = unhooked(x.grad_fn, x.output_nr)
     if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
         return node
     return None
@@ -392,19 +398,6 @@ def overlapping(node) -> int | None:
     return node.inbox.seq if isinstance(node, _Linear._backward_cls) else None
 
 
-class _BiasOnce(torch.autograd.Function):
-    """A replicated bias as one term of a sum over ``n`` ranks: ``b / n`` forward, and the
-    whole gradient backward (DTensor's Replicate -> Partial, so the numbers match)."""
-
-    @staticmethod
-    def forward(ctx, bias, n):
-        return bias / n
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class _View(torch.autograd.Function):
     """A DTensor parameter's local shard; its gradient flows back as a DTensor laid out
     ``spec`` (DTensor's own ``to_local``, without re-deriving the spec every backward)."""
@@ -447,7 +440,9 @@ def local_params(slots: tuple, kernel, mesh, cache: dict) -> list:
         if view is None:
             view = _view(param, grads.get(full), cache)
             if full == kernel.once and mesh.size() > 1:
-                view = _BiasOnce.apply(view, mesh.size())
+                # one term of a sum over the ranks, its gradient whole (DTensor's
+                # Replicate -> Partial, so the numbers match)
+                view = scaled(view, mesh.size(), 1)
             made[id(param)] = view
         views.append((owner, name, view))
     return views

@@ -105,7 +105,8 @@ class Runtime:
         self._start(args, kwargs)
         if self.linear and len(args) == 1 and not kwargs:  # nn.Linear's forward, without a swap
             local = {name: view for _, name, view in views}
-            weight, bias = (local.get(n, getattr(self.module, n)) for n in ("weight", "bias"))
+            weight, bias = (local[n] if n in local else getattr(self.module, n)
+                            for n in ("weight", "bias"))
             return self._outputs(linear(args[0], weight, bias, self.overlap), shape)
         saved = [(table, name, table[name]) for table, name, _ in views]
         try:

@@ -30,7 +30,7 @@ from torch.distributed import tensor as _dt
 from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared
+from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared, unhooked
 from tpfn.interpret.state import Guess, Shapes
 from tpfn.interpret.terms import terms
 from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
@@ -58,10 +58,7 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
     """
     out, views = {}, {}
     for name, layout in rule.items():
-        owner, _, leaf = name.rpartition(".")
-        sub = module.get_submodule(owner)
-        is_param = leaf in sub._parameters  # (not isinstance: a LocalTensorMode copy is none)
-        param = sub._parameters[leaf] if is_param else sub.get_buffer(leaf)
+        param, is_param = _placed(module, name)
         problem = unpackable(name, param.shape, layout, mesh.size())
         if problem:
             raise LayoutError(problem)
@@ -87,9 +84,18 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
 
 def placed_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter, or else the buffer, that ``name`` (dotted) names in ``module``."""
+    return _placed(module, name)[0]
+
+
+def _placed(module: nn.Module, name: str) -> tuple:
+    """``(placed_tensor(module, name), whether it is a parameter)``: one held in the owner's
+    ``_parameters`` (not an ``isinstance`` test: a parameter deep-copied under
+    ``LocalTensorMode`` is no ``nn.Parameter``)."""
     owner, _, leaf = name.rpartition(".")
     sub = module.get_submodule(owner)
-    return sub._parameters[leaf] if leaf in sub._parameters else sub.get_buffer(leaf)
+    if leaf in sub._parameters:
+        return sub._parameters[leaf], True
+    return sub.get_buffer(leaf), False
 
 
 def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
@@ -300,10 +306,7 @@ def _source(x):
     node = None if torch.compiler.is_compiling() else getattr(x, "grad_fn", None)
     if not isinstance(node, HookIdentity):
         return x, None
-    index = x.output_nr
-    while isinstance(node, HookIdentity):
-        node, index = node.next_functions[index]
-    return node, index
+    return unhooked(node, x.output_nr)
 
 
 def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *,

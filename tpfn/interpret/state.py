@@ -16,9 +16,9 @@ where something does (a move, a DTensor, one device's dropout noise): from the t
 handed on that it was computed from, a few autograd nodes back (``derived_shape``: a
 residual sum), else by an exchange of the ranks' local shapes (``tpfn.interpret.agree``,
 one all-gather of a few ints). Every rank decides alike, since whether a tensor is one a
-slot handed on, how sure its shape is and the autograd graph are the same on every rank. Compiled code neither reads nor writes the memory nor
-exchanges shapes (a graph would be specialized on them): there, sharded local tensors are
-even splits.
+slot handed on, how sure its shape is and the autograd graph are the same on every rank.
+Compiled code neither reads nor writes the memory nor exchanges shapes (a graph would be
+specialized on them): there, sharded local tensors are even splits.
 
 Partial gradients: a replicated parameter used on sharded activations (a sequence-parallel
 norm, a per-head norm) gets a partial gradient. Left so, every optimizer op on it would
@@ -35,10 +35,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import HookIdentity, WeakTensorKeyDictionary, per_rank, queue_callback, rank_sizes
+from tpfn._torch import WeakTensorKeyDictionary, per_rank, queue_callback, rank_sizes
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
-from tpfn.interpret.moves import collective
+from tpfn.interpret.moves import collective, unhooked
 
 __all__ = ["State", "Shapes", "PartialGrads", "TENSOR_SHAPES", "Guess", "recall", "derived_shape"]
 
@@ -102,7 +102,7 @@ def derived_shape(local) -> tuple | None:
     computed from (a residual sum, a norm's output): the nearest among its autograd inputs,
     ``_DEPTH`` nodes back, breadth first, else None (no graph, or none near). Which one is
     found depends on the graph alone, the same on every rank."""
-    level, seen = [_unhooked(local.grad_fn, local.output_nr)], set()
+    level, seen = [unhooked(local.grad_fn, local.output_nr)], set()
     for _ in range(_DEPTH):
         level = [(n, i) for n, i in level if n is not None and id(n) not in seen
                  and not seen.add(id(n))]
@@ -110,15 +110,8 @@ def derived_shape(local) -> tuple | None:
             found = node.metadata.get(_NODE_KEY, {}).get(nr) if node.metadata else None
             if found is not None:
                 return found
-        level = [_unhooked(n, i) for node, _ in level for n, i in node.next_functions]
+        level = [unhooked(n, i) for node, _ in level for n, i in node.next_functions]
     return None
-
-
-def _unhooked(node, nr: int) -> tuple:
-    """``(node, output number)`` past module hooks' identity wrappers (output i is input i)."""
-    while isinstance(node, HookIdentity):
-        node, nr = node.next_functions[nr]
-    return node, nr
 
 
 class Shapes:

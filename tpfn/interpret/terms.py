@@ -24,7 +24,7 @@ import torch
 from tpfn.algebra import Split, pullback, transition
 from tpfn.errors import LayoutError
 
-__all__ = ["terms"]
+__all__ = ["terms", "scaled"]
 
 
 class _Terms(torch.autograd.Function):
@@ -38,6 +38,11 @@ class _Terms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad if ctx.backward == 1 else grad / ctx.backward), None, None
+
+
+def scaled(x: torch.Tensor, forward: int, backward: int) -> torch.Tensor:
+    """``x / forward``, its gradient divided by ``backward`` (1: that direction left alone)."""
+    return _Terms.apply(x, forward, backward)
 
 
 def _divisor(steps, n: int, what: str, side: str) -> int:
