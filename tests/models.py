@@ -50,6 +50,28 @@ def counts(fn) -> dict:
     return tpfn.trace.counts(mode)
 
 
+def one_step(tp: nn.Module, ref: nn.Module, x: torch.Tensor) -> tuple:
+    """One forward and backward (of the output's sum) of ``tp`` and of the one-device ``ref``
+    on ``x``: the relative errors of the output, the input's gradient, every parameter and
+    every gradient (global values, packed layouts included), and the collective counts of
+    the forward and of the backward."""
+    from tpfn.interpret.layouts import full_value, layouts
+
+    x, x2 = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    expected = ref(x)
+    expected.sum().backward()
+    with CommDebugMode() as forward:
+        out = tp(x2)
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    placed, theirs = layouts(tp), dict(ref.named_parameters())
+    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
+    for name, p in tp.named_parameters():
+        errors[name] = rel_err(full_value(p, placed.get(name)), theirs[name])
+        errors[name + ".grad"] = rel_err(full_value(p.grad, placed.get(name)), theirs[name].grad)
+    return errors, tpfn.trace.counts(forward), tpfn.trace.counts(backward)
+
+
 def transformer(seed: int = 0, **kw) -> Transformer:
     """PyTorch's reference Transformer (no dropout unless asked) with fixed weights."""
     torch.manual_seed(seed)

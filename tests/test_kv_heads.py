@@ -7,13 +7,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
-from tests.models import clone, rel_err
+from tests.models import clone, one_step, rel_err
 from tests.ranks import mesh
-from tpfn import PlanError, Replicate, Shard, colwise, prepare_in, rowwise
-from tpfn.interpret.layouts import layouts
+from tpfn import PlanError, Replicate, colwise, prepare_in, rowwise
 
 # float64 references: rounding ~1e-16 relative; 1e-12 leaves room for sums reordered over 4 ranks.
 TOL = 1e-12
@@ -53,21 +51,9 @@ def _two_kv_heads_at_tp4():
     k = tp.k_proj.weight
     assert k.shape == (16, 32) and k.device_mesh.shape == (2, 2)   # 2 heads x 2 replicas
     assert torch.equal(k.to_local(), ref.k_proj.weight.chunk(2)[rank // 2])
-    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    expected = ref(x)
-    expected.sum().backward()
-    with CommDebugMode() as forward:
-        out = tp(x2)
-    with CommDebugMode() as backward:
-        out.sum().backward()
-    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
-    for name, p in tp.named_parameters():
-        r = dict(ref.named_parameters())[name]
-        errors[name] = rel_err(p.full_tensor(), r)
-        errors[name + ".grad"] = rel_err(p.grad.full_tensor(), r.grad)
+    errors, forward, backward = one_step(tp, ref, torch.randn(2, 6, 32, dtype=torch.float64))
     placements = {n: p.grad.placements for n, p in tp.named_parameters() if n[0] in "kv"}
-    return errors, tpfn.trace.counts(forward), tpfn.trace.counts(backward), placements
+    return errors, forward, backward, placements
 
 
 def test_two_kv_heads_at_tp4_equal_one_device(ranks4):
@@ -148,7 +134,7 @@ def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads(t):
             f"per rank) are summed within each group, in one all-reduce (and 79 more like it).") \
         in report.lints
     groups = f"num_key_value_groups = {64 // t}"
-    assert any(f"holds num_key_value_groups = 8, the query heads per KV head of the whole model" in
+    assert any("holds num_key_value_groups = 8, the query heads per KV head of the whole model" in
                lint and f"or set {groups} on the parallelized model" in lint for lint in report.lints)
 
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
-from tests.models import clone, rel_err
+from tests.models import clone, one_step, rel_err
 from tests.ranks import mesh
 from tpfn import PlanError, Replicate, Shard, checkpoint, colwise, prepare_in, prepare_out, rowwise
 from tpfn.dryrun import fake_mesh
@@ -56,21 +56,7 @@ def _gqa_at_tp2():
     w = tp.qkv_proj.weight
     q, k, v = ref.qkv_proj.weight.split(QKV)
     assert torch.equal(w.to_local(), torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]]))
-    x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    expected = ref(x)
-    expected.sum().backward()
-    with CommDebugMode() as forward:
-        out = tp(x2)
-    with CommDebugMode() as backward:
-        out.sum().backward()
-    placed = layouts(tp)
-    errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x.grad)}
-    for name, p in tp.named_parameters():
-        errors[name] = rel_err(full_value(p, placed.get(name)), dict(ref.named_parameters())[name])
-        errors[name + ".grad"] = rel_err(full_value(p.grad, placed.get(name)),
-                                          dict(ref.named_parameters())[name].grad)
-    return errors, tpfn.trace.counts(forward), tpfn.trace.counts(backward)
+    return one_step(tp, ref, torch.randn(2, 6, 32, dtype=torch.float64))
 
 
 def test_a_gqa_fused_qkv_at_tp2_equals_one_device(ranks2):
