@@ -33,48 +33,30 @@ import sympy
 
 from tpfn.layout import Partial, Replicate, Shard, as_layout, normalize
 
-__all__ = [
-    "AllGather",
-    "AllReduce",
-    "ReduceScatter",
-    "AllToAll",
-    "Chunk",
-    "Split",
-    "Step",
-    "transition",
-    "chunk_bounds",
-    "shard_ranges",
-    "pullback",
-    "cotangent",
-    "local_shape",
-    "comm_bytes",
-    "check_layout",
-    "contiguous_strides",
-]
+__all__ = ["AllGather", "AllReduce", "ReduceScatter", "AllToAll", "Chunk", "Split", "Step", "transition",
+           "chunk_bounds", "shard_ranges", "pullback", "cotangent", "local_shape", "comm_bytes",
+           "check_layout", "contiguous_strides"]
 
 
 def _short_repr(self) -> str:
     """The constructor call, leaving out fields at their default value."""
-    parts = []
-    for a in attrs.fields(type(self)):
-        value = getattr(self, a.name)
-        if a.default is attrs.NOTHING or value != a.default:
-            parts.append(f"{a.name}={value!r}")
+    parts = (f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self))
+             if a.default is attrs.NOTHING or getattr(self, a.name) != a.default)
     return f"{type(self).__name__}({', '.join(parts)})"
 
 
-def _step(cls):
-    cls.__repr__ = _short_repr
-    return attrs.frozen(slots=True, repr=False)(cls)
+def _step(collective: str | None, src, dst):
+    """A step class: a step turns placement ``src(step)`` into ``dst(step)`` on one mesh dim, running
+    ``collective`` (None: local); ``sharded_by`` lists the *other* mesh dims that shard the tensor
+    meanwhile: the collective sees 1/prod(their sizes) of it."""
+    def make(cls):
+        cls.collective, cls.src, cls.dst = collective, property(src), property(dst)
+        cls.__repr__ = _short_repr
+        return attrs.frozen(slots=True, repr=False)(cls)
+    return make
 
 
-# Every step acts on one mesh dimension, turning placement ``src`` into ``dst`` there;
-# ``collective`` names what it runs (None: local). ``sharded_by`` lists the *other* mesh
-# dimensions that shard the tensor while the step runs: the collective sees 1/prod(their
-# sizes) of it.
-
-
-@_step
+@_step("all_gather", lambda s: Shard(s.dim, s.parts), lambda s: Replicate())
 class AllGather:
     """``Shard(dim, parts) -> Replicate()`` on ``mesh_dim``: every rank receives every chunk
     (``parts``: an int, or the sizes of unequal parts)."""
@@ -83,24 +65,18 @@ class AllGather:
     parts: int | tuple = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = "all_gather"
-    src = property(lambda self: Shard(self.dim, self.parts))
-    dst = property(lambda self: Replicate())
 
 
-@_step
+@_step("all_reduce", lambda s: Partial(s.op), lambda s: Replicate())
 class AllReduce:
     """``Partial(op) -> Replicate()`` on ``mesh_dim``: every rank receives the reduction."""
 
     op: str = "sum"
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = "all_reduce"
-    src = property(lambda self: Partial(self.op))
-    dst = property(lambda self: Replicate())
 
 
-@_step
+@_step("reduce_scatter", lambda s: Partial(s.op), lambda s: Shard(s.dim))
 class ReduceScatter:
     """``Partial(op) -> Shard(dim)`` on ``mesh_dim``: every rank receives its chunk of the reduction."""
 
@@ -108,12 +84,9 @@ class ReduceScatter:
     op: str = "sum"
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = "reduce_scatter"
-    src = property(lambda self: Partial(self.op))
-    dst = property(lambda self: Shard(self.dim))
 
 
-@_step
+@_step("all_to_all", lambda s: Shard(s.src_dim), lambda s: Shard(s.dst_dim))
 class AllToAll:
     """``Shard(src_dim) -> Shard(dst_dim)`` on ``mesh_dim``: every rank trades chunks with every other."""
 
@@ -121,12 +94,9 @@ class AllToAll:
     dst_dim: int
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = "all_to_all"
-    src = property(lambda self: Shard(self.src_dim))
-    dst = property(lambda self: Shard(self.dst_dim))
 
 
-@_step
+@_step(None, lambda s: Replicate(), lambda s: Shard(s.dim, s.parts))
 class Chunk:
     """``Replicate() -> Shard(dim, parts)`` on ``mesh_dim``: every rank keeps its own chunk
     (of every part); no communication."""
@@ -135,12 +105,9 @@ class Chunk:
     parts: int | tuple = 1
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = None
-    src = property(lambda self: Replicate())
-    dst = property(lambda self: Shard(self.dim, self.parts))
 
 
-@_step
+@_step(None, lambda s: Replicate(), lambda s: Partial(s.op))
 class Split:
     """``Replicate() -> Partial(op)`` on ``mesh_dim``: every rank keeps its term of the value
     (for ``"sum"`` the value divided by the mesh size; for ``"avg"``, ``"max"``, ``"min"``
@@ -149,9 +116,6 @@ class Split:
     op: str = "sum"
     mesh_dim: int = 0
     sharded_by: tuple = ()
-    collective = None
-    src = property(lambda self: Replicate())
-    dst = property(lambda self: Partial(self.op))
 
 
 Step = (AllGather, AllReduce, ReduceScatter, AllToAll, Chunk, Split)
@@ -168,29 +132,23 @@ def check_layout(layout, *, name: str = "layout") -> tuple:
     layout = as_layout(layout, name=name)
     ops = {p.op for p in layout if isinstance(p, Partial)}
     if len(ops) > 1:
-        raise ValueError(
-            f"'{name}' mixes Partial reductions {layout}: the order of a "
-            f"{' and a '.join(sorted(ops, reverse=True))} matters, so DTensor rejects it; "
-            "reduce one mesh dim first."
-        )
+        raise ValueError(f"'{name}' mixes Partial reductions {layout}: the order of a "
+                         f"{' and a '.join(sorted(ops, reverse=True))} matters, so DTensor rejects it; "
+                         "reduce one mesh dim first.")
     return layout
 
 
 def _check_legal(src: tuple, dst: tuple) -> None:
     for i, (s, d) in enumerate(zip(src, dst)):
         if isinstance(d, Partial) and isinstance(s, Shard):
-            raise ValueError(
-                f"no transition turns {s!r} into {d!r} on mesh dim {i}: Partial values arise "
-                "only from computation (e.g. a matmul over a sharded dim) or from a replica "
-                "split into terms (Replicate() -> Partial()); a shard is neither. Ask for "
-                "Replicate() or Shard(dim) instead, or replicate it first."
-            )
+            raise ValueError(f"no transition turns {s!r} into {d!r} on mesh dim {i}: Partial values arise "
+                             "only from computation (e.g. a matmul over a sharded dim) or from a replica "
+                             "split into terms (Replicate() -> Partial()); a shard is neither. Ask for "
+                             "Replicate() or Shard(dim) instead, or replicate it first.")
         if isinstance(d, Partial) and isinstance(s, Partial) and s != d:
-            raise ValueError(
-                f"no transition turns {s!r} into {d!r} on mesh dim {i}: terms pending a "
-                f"'{s.op}' reduction are not terms of a '{d.op}' reduction. Reduce first "
-                "(to Replicate() or Shard(dim))."
-            )
+            raise ValueError(f"no transition turns {s!r} into {d!r} on mesh dim {i}: terms pending a "
+                             f"'{s.op}' reduction are not terms of a '{d.op}' reduction. Reduce first "
+                             "(to Replicate() or Shard(dim)).")
 
 
 def _make_steps(current: tuple, mesh_dim: int, target) -> tuple:
@@ -204,11 +162,11 @@ def _make_steps(current: tuple, mesh_dim: int, target) -> tuple:
         if isinstance(cur, Partial):
             return (AllReduce(op=cur.op, **where),)
         return (AllGather(dim=cur.dim, parts=cur.parts, **where),)
+    chunk = (Chunk(dim=target.dim, parts=target.parts, **where),)
     if isinstance(cur, Replicate):
-        return (Chunk(dim=target.dim, parts=target.parts, **where),)
+        return chunk
     if packed:  # as DTensor: through Replicate, the second step local
-        return _make_steps(current, mesh_dim, Replicate()) + (
-            Chunk(dim=target.dim, parts=target.parts, **where),)
+        return _make_steps(current, mesh_dim, Replicate()) + chunk
     if isinstance(cur, Partial):
         return (ReduceScatter(dim=target.dim, op=cur.op, **where),)
     return (AllToAll(src_dim=cur.dim, dst_dim=target.dim, **where),)
@@ -233,27 +191,21 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     """
     src, dst = check_layout(src, name="src"), check_layout(dst, name="dst")
     if len(src) != len(dst):
-        raise ValueError(
-            f"src {src} and dst {dst} are layouts of different meshes ({len(src)}-D and "
-            f"{len(dst)}-D): give one placement per mesh dim in both."
-        )
+        raise ValueError(f"src {src} and dst {dst} are layouts of different meshes ({len(src)}-D and "
+                         f"{len(dst)}-D): give one placement per mesh dim in both.")
     if ndim is not None:
         src, dst = normalize(src, ndim), normalize(dst, ndim)
     _check_legal(src, dst)
     heads = [p for s, d in zip(src, dst) if s != d for p in (s, d)
              if isinstance(p, Shard) and p.heads is not None]
     if heads:
-        raise ValueError(
-            f"{src} -> {dst}: no transition moves a tensor into or out of {heads[0]!r}: each "
-            "head is held by a group of ranks on more ranks than heads, which DTensor has no "
-            "placement for; hand the local shards on as the projection makes them.")
+        raise ValueError(f"{src} -> {dst}: no transition moves a tensor into or out of {heads[0]!r}: each "
+                         "head is held by a group of ranks on more ranks than heads, which DTensor has no "
+                         "placement for; hand the local shards on as the projection makes them.")
     if len(src) > 1 and any(isinstance(p, Shard) and p.parts != 1 for p in src + dst):
-        raise ValueError(
-            f"{src} -> {dst}: packed shards (parts > 1) are modelled on 1-D meshes only, where "
-            "tensor parallelism uses them; redistribute over one mesh dim at a time."
-        )
-    current = list(src)
-    steps = []
+        raise ValueError(f"{src} -> {dst}: packed shards (parts > 1) are modelled on 1-D meshes only, "
+                         "where tensor parallelism uses them; redistribute over one mesh dim at a time.")
+    current, steps = list(src), []
 
     def move(mesh_dim, target):
         if current[mesh_dim] != target:
@@ -263,12 +215,10 @@ def transition(src, dst, *, ndim: int | None = None) -> tuple:
     if any(isinstance(p, Shard) for p in src) and len(src) > 1:
         for i in reversed(range(len(src))):
             target = dst[i]
-            if isinstance(target, Shard):
-                before = range(i)
-                if [j for j in before if current[j] == target] != [
-                    j for j in before if dst[j] == target
-                ]:
-                    target = Replicate()
+            before = range(i)
+            if isinstance(target, Shard) and ([j for j in before if current[j] == target]
+                                              != [j for j in before if dst[j] == target]):
+                target = Replicate()
             move(i, target)
     for i in range(len(src)):
         move(i, dst[i])
@@ -315,9 +265,8 @@ def pullback(src, dst, grad=None, *, to=None, ndim: int | None = None) -> tuple:
                 t != c and not (isinstance(t, Partial) and isinstance(c, Replicate))
                 for t, c in zip(normalize(to, ndim) if ndim else to,
                                 normalize(land, ndim) if ndim else land)):
-            raise ValueError(
-                f"a gradient of a tensor laid out {as_layout(src)} lands in {land} or, where it "
-                f"is replicated, as terms (Partial()); not in {to}.")
+            raise ValueError(f"a gradient of a tensor laid out {as_layout(src)} lands in {land} or, where "
+                             f"it is replicated, as terms (Partial()); not in {to}.")
         land = to
     return transition(grad, land, ndim=ndim)
 
@@ -336,7 +285,6 @@ def chunk_bounds(n: int, k: int, c: int) -> tuple:
 
 
 def _chunk_size(n, k, c):
-    """Size of chunk ``c`` when ``torch.chunk`` splits ``n`` into ``k`` chunks."""
     if not _is_symbolic(n, k, c):
         q = -(-n // k)
         return max(0, min(n, (c + 1) * q) - c * q)
@@ -351,9 +299,8 @@ def _head_chunks(placement: Shard, k: int, c: int) -> range:
     """The heads (``torch.chunk``s of the dim) that rank ``c`` of ``k`` holds."""
     h = placement.heads
     if _is_symbolic(k, c):
-        raise ValueError(f"{placement!r} on a symbolic number of ranks: whether they divide "
-                         f"{h} heads or are a multiple of them decides what each holds; give "
-                         "the number of ranks.")
+        raise ValueError(f"{placement!r} on a symbolic number of ranks: whether they divide {h} heads or are "
+                         "a multiple of them decides what each holds; give the number of ranks.")
     if h % k == 0:
         return range(c * (h // k), (c + 1) * (h // k))
     if k % h == 0:
@@ -406,17 +353,13 @@ def local_shape(global_shape, layout, mesh_shape, coord) -> tuple:
     layout = check_layout(layout)
     shape = list(global_shape)
     if not len(layout) == len(mesh_shape) == len(coord):
-        raise ValueError(
-            f"layout {layout}, mesh_shape {tuple(mesh_shape)} and coord {tuple(coord)} "
-            "must have one entry per mesh dim each."
-        )
+        raise ValueError(f"layout {layout}, mesh_shape {tuple(mesh_shape)} and coord {tuple(coord)} "
+                         "must have one entry per mesh dim each.")
     for p, k, c in zip(normalize(layout, len(shape)), mesh_shape, coord):
-        if isinstance(p, Shard):
-            size = shape[p.dim]
-            if p.heads is not None:
-                shape[p.dim] = sum(length for _, length in shard_ranges(size, p, k, c))
-            else:
-                shape[p.dim] = sum(_chunk_size(part, k, c) for part in p.sizes(size))
+        if isinstance(p, Shard) and p.heads is not None:
+            shape[p.dim] = sum(length for _, length in shard_ranges(shape[p.dim], p, k, c))
+        elif isinstance(p, Shard):
+            shape[p.dim] = sum(_chunk_size(part, k, c) for part in p.sizes(shape[p.dim]))
     return tuple(shape)
 
 
@@ -444,9 +387,7 @@ def comm_bytes(steps, global_shape, mesh_shape, itemsize) -> sympy.Expr:
     """
     numel = sympy.Mul(*map(sympy.sympify, global_shape))
     total = sympy.Integer(0)
-    for step in steps:
-        if step.collective is None:
-            continue
+    for step in (s for s in steps if s.collective is not None):  # a local step sends nothing
         n = sympy.sympify(mesh_shape[step.mesh_dim])
         divisor = sympy.Mul(*(sympy.sympify(mesh_shape[j]) for j in step.sharded_by))
         total += _RING[step.collective](n) * numel / divisor * itemsize

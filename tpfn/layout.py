@@ -2,11 +2,9 @@
 
 A *placement* says what one mesh dimension does to a tensor:
 
-- ``Shard(dim)``: each rank holds one ``torch.chunk`` of tensor dimension ``dim``
-  (``Shard(dim, parts=k)``: the dim packs ``k`` equal parts, e.g. a fused gate and up
-  projection, and each rank holds its chunk of every part; ``parts=(q, k, v)``: parts of
-  those sizes; ``Shard(dim, heads=h)``: the dim is ``h`` heads, and over more ranks than
-  heads each head is held by a group of ranks);
+- ``Shard(dim)``: each rank holds one ``torch.chunk`` of tensor dimension ``dim`` (with
+  ``parts=``, its chunk of each packed part; with ``heads=h``, whole heads, each held by a
+  group of ranks on more ranks than heads);
 - ``Replicate()``: each rank holds the whole tensor;
 - ``Partial(op)``: each rank holds a term; the tensor is their reduction by ``op``.
 
@@ -34,35 +32,23 @@ import sympy
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = [
-    "Shard",
-    "Replicate",
-    "Partial",
-    "Placement",
-    "REDUCE_OPS",
-    "as_layout",
-    "is_placement",
-    "exact_in_torch",
-    "normalize",
-    "to_torch",
-    "from_torch",
-]
+__all__ = ["Shard", "Replicate", "Partial", "Placement", "REDUCE_OPS", "as_layout", "is_placement",
+           "exact_in_torch", "normalize", "to_torch", "from_torch"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
+def _of_type(kind: type, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"'{attribute.name}' must be {kind!r} (got {value!r} that is a {type(value)!r}).")
+
+
 def _int(instance, attribute, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"'{attribute.name}' must be {int!r} (got {value!r} that is a {type(value)!r})."
-        )
+    _of_type(int, attribute, value)
 
 
 def _reduce_op(instance, attribute, value):
-    if not isinstance(value, str):
-        raise TypeError(
-            f"'{attribute.name}' must be {str!r} (got {value!r} that is a {type(value)!r})."
-        )
+    _of_type(str, attribute, value)
     if value not in REDUCE_OPS:
         raise ValueError(f"'{attribute.name}' must be in {REDUCE_OPS!r} (got {value!r}).")
 
@@ -78,12 +64,11 @@ def _is_count(value) -> bool:
 
 
 def _parts(instance, attribute, value):
-    if isinstance(value, tuple):
-        if len(value) < 2 or not all(map(_is_count, value)):
-            raise ValueError(f"'parts' must be a positive int or a tuple of two or more part "
-                             f"sizes, each a positive int (got {value!r}).")
-        return
-    _positive(instance, attribute, value)
+    if not isinstance(value, tuple):
+        return _positive(instance, attribute, value)
+    if len(value) < 2 or not all(map(_is_count, value)):
+        raise ValueError(f"'parts' must be a positive int or a tuple of two or more part "
+                         f"sizes, each a positive int (got {value!r}).")
 
 
 def _heads(instance, attribute, value):
@@ -110,11 +95,10 @@ class Shard:
     divide ``h`` it is ``Shard(dim)``; on ``n`` a multiple of ``h`` each head is held by a
     group of ``n // h`` consecutive ranks (KV heads replicated, as Megatron and vLLM do).
 
-    DTensor has no placement for unequal parts nor for replicated heads (``exact_in_torch``):
-    a parameter so laid out is a DTensor ``Shard(dim)`` of the rank-major concatenation of
-    what the ranks hold (unequal parts), or ``(Shard(dim), Replicate())`` on a 2-D view of
-    the mesh, heads by replicas (replicated heads); tpfn's checkpoints read and write its
-    true values.
+    DTensor has no placement for unequal parts nor for replicated heads (``exact_in_torch``): a
+    parameter so laid out is a DTensor ``Shard(dim)`` of the rank-major concatenation of what the
+    ranks hold (unequal parts), or ``(Shard(dim), Replicate())`` on a 2-D view of the mesh, heads by
+    replicas (replicated heads); tpfn's checkpoints read and write its true values.
 
     >>> Shard(0) == Shard(0), hash(Shard(0)) == hash(Shard(0))
     (True, True)
@@ -205,10 +189,8 @@ def as_layout(layout, *, name: str = "layout") -> tuple:
         return (layout,)
     if isinstance(layout, tuple) and layout and all(map(is_placement, layout)):
         return layout
-    raise TypeError(
-        f"'{name}' must be a placement (Shard, Replicate, Partial) or a non-empty tuple of them "
-        f"(got {layout!r} that is a {type(layout)!r})."
-    )
+    raise TypeError(f"'{name}' must be a placement (Shard, Replicate, Partial) or a non-empty tuple of "
+                    f"them (got {layout!r} that is a {type(layout)!r}).")
 
 
 def exact_in_torch(layout) -> bool:
@@ -232,25 +214,21 @@ def normalize(layout, ndim: int) -> tuple:
     ...
     ValueError: Shard(dim=2) does not fit a tensor of 2 dims: a shard dim must lie in [-2, 1].
     """
-    out = []
-    for p in as_layout(layout):
-        if isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
-                raise ValueError(
-                    f"{p!r} does not fit a tensor of {ndim} dims: "
-                    f"a shard dim must lie in [{-ndim}, {ndim - 1}]."
-                )
-            p = attrs.evolve(p, dim=p.dim % ndim)
-        out.append(p)
-    return tuple(out)
+    return tuple(attrs.evolve(p, dim=_dim(p, ndim)) if isinstance(p, Shard) else p for p in as_layout(layout))
+
+
+def _dim(p: Shard, ndim: int) -> int:
+    """``p``'s dim made non-negative for a tensor of ``ndim`` dims (no new ``Shard``: ``to_torch``
+    runs inside compiled forwards, which cannot trace building one)."""
+    if not -ndim <= p.dim < ndim:
+        raise ValueError(f"{p!r} does not fit a tensor of {ndim} dims: a shard dim must lie in "
+                         f"[{-ndim}, {ndim - 1}].")
+    return p.dim % ndim
 
 
 def _placement_to_torch(p, ndim):
     if isinstance(p, Shard):
-        if ndim is not None and not -ndim <= p.dim < ndim:
-            raise ValueError(f"{p!r} does not fit a tensor of {ndim} dims: a shard dim must lie in "
-                             f"[{-ndim}, {ndim - 1}].")
-        dim = p.dim if ndim is None else p.dim % ndim
+        dim = p.dim if ndim is None else _dim(p, ndim)
         if isinstance(p.parts, int) and p.parts > 1:
             return _StridedShard(dim, split_factor=p.parts)
         return _dt.Shard(dim)  # unequal parts, heads: the image of each rank's local tensor
@@ -288,10 +266,8 @@ def _placement_from_torch(p):
         return Replicate()
     if isinstance(p, _dt.Partial) and p.reduce_op in REDUCE_OPS:
         return Partial(p.reduce_op)
-    raise ValueError(
-        f"{p!r} has no tpfn layout: tpfn knows Shard, Replicate and Partial with op in "
-        f"{REDUCE_OPS}; redistribute the DTensor to one of those first."
-    )
+    raise ValueError(f"{p!r} has no tpfn layout: tpfn knows Shard, Replicate and Partial with op in "
+                     f"{REDUCE_OPS}; redistribute the DTensor to one of those first.")
 
 
 def from_torch(placements) -> tuple:

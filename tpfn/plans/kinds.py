@@ -1,13 +1,11 @@
 """The table: what each built-in core means for each module kind, one row each.
 
-A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module and the
-parameters the style governs; it returns a ``Meaning``: the built-in written as a
-composition of primitives (``params(...) >> on_shards(...)``), what the module needs beyond
-them (a bias added once to partial sums, ids outside the rank's vocabulary slice masked,
-dropout noise drawn as one device draws it, a forward on local shards where the kind's own
-reads global sizes, as ``nn.MultiheadAttention``'s reads ``num_heads``), and whether the module computes on local
-shards (its forward is the kind's own) or on DTensors in the same layouts. Built-ins and
-``on_shards`` styles then take one path (``tpfn.plans.mount``).
+A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module and the parameters the
+style governs; it returns a ``Meaning``: the built-in written as a composition of primitives
+(``params(...) >> on_shards(...)``), whether the module computes on local shards (its forward is the
+kind's own) or on DTensors in the same layouts, and the ``Kernel`` extras the primitives cannot say
+(a bias added once to partial sums, vocabulary masking, dropout noise, a forward of its own).
+Built-ins and ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 
 >>> import torch.nn as nn
 >>> from tpfn.style.constructors import colwise
@@ -37,21 +35,19 @@ __all__ = ["Kernel", "Meaning", "TABLE", "meaning"]
 class Kernel:
     """What a module computes on local tensors, in layouts.
 
-    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction;
-    None: handed on untouched); ``inputs``: per positional input, ``(wanted, grad)``, the
-    layout it computes with and the layout of the gradient it computes for it (None: no
-    gradient, e.g. token ids); ``grads``: parameter name -> layout of its local gradient
-    where that differs from the parameter's own; ``bias_once``: a replicated bias added once
-    to partial sums; ``vocab``: an embedding sharded over its vocabulary (ids outside the
-    rank's slice masked); ``random``: how its random draws are made on shards, ``"fork"``
-    (each rank its own stream, ``tpfn.rng.sharded``) or ``"slice"`` (an ``nn.Dropout``
-    applies its slice of the whole tensor's mask, as one device draws it); ``shape``: the
-    global shape of the output from that of input 0 (None: kept where the output is laid
-    out as input 0, else recalled); ``forward``: ``forward(module, mesh, where, *inputs)``,
-    the module's computation on local shards where the kind's own reads global sizes (None:
-    the module's own); ``fits``: ``fits(module, n)``, why ``n`` ranks cannot hold it (None:
-    they can; the layouts' own checks aside).
-    """
+    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction; None:
+    handed on untouched); ``inputs``: per positional input, ``(wanted, grad)``, the layout it
+    computes with and the layout of the gradient it computes for it (None: no gradient, e.g. token
+    ids); ``grads``: parameter name -> layout of its local gradient where that differs from the
+    parameter's own; ``bias_once``: a replicated bias added once to partial sums; ``vocab``: an
+    embedding sharded over its vocabulary (ids outside the rank's slice masked); ``random``: how its
+    random draws are made on shards, ``"fork"`` (each rank its own stream, ``tpfn.rng.sharded``) or
+    ``"slice"`` (an ``nn.Dropout`` applies its slice of the whole tensor's mask, as one device draws
+    it); ``shape``: the global shape of the output from that of input 0 (None: kept where the output
+    is laid out as input 0, else recalled); ``forward``: ``forward(module, mesh, where, *inputs)``,
+    the module's computation on local shards where the kind's own reads global sizes (None: the
+    module's own); ``fits``: ``fits(module, n)``, why ``n`` ranks cannot hold it (None: they can;
+    the layouts' own checks aside)."""
 
     output: object
     inputs: tuple = ()
@@ -69,15 +65,11 @@ class Kernel:
         return "bias" if self.bias_once is True else self.bias_once or None
 
     def out_shape(self, module: nn.Module, in_shape):
-        """The global shape of the output for input 0 of global shape ``in_shape`` (None:
-        unknown to the kernel)."""
-        if in_shape is None:
-            return None
-        if self.shape is not None:
+        """The global shape of the output for input 0 of global shape ``in_shape`` (None: unknown)."""
+        if in_shape is not None and self.shape is not None:
             return self.shape(module, in_shape)
-        if self.inputs and self.inputs[0][0] == self.output:  # per position: shape kept
-            return in_shape
-        return None
+        kept = self.inputs and self.inputs[0][0] == self.output  # per position: shape kept
+        return in_shape if kept else None
 
 
 @attrs.frozen
@@ -110,9 +102,8 @@ def _embedding_shape(module, in_shape):
 def _no_renorm(core, module: nn.Embedding, where: str):
     if module.max_norm is None and not module.sparse:
         return None
-    option = "max_norm" if module.max_norm is not None else "sparse"
-    why = ("renormalizes whole rows in place" if option == "max_norm"
-           else "makes sparse gradients, which DTensor cannot hold")
+    option, why = (("max_norm", "renormalizes whole rows in place") if module.max_norm is not None
+                   else ("sparse", "makes sparse gradients, which DTensor cannot hold"))
     return (f"{core!r} at {where}: nn.Embedding({option}=...) {why}, so it cannot be "
             f"sharded; leave it out of the plan (replicated) or build it without {option}.")
 
@@ -153,8 +144,7 @@ def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
 
 def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
     return Meaning(_primitives("rowwise_linear", core.parts, module.bias is not None),
-                   local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
-                   shape=_linear_shape)
+                   local=_own_forward(module, nn.Linear), bias_once=module.bias is not None, shape=_linear_shape)
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
@@ -167,8 +157,7 @@ def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
     # DTensor masks padding_idx and counts scale_grad_by_freq over the whole vocabulary.
     plain = module.padding_idx is None and not module.scale_grad_by_freq
     if core.parts != 1:  # each rank masks the ids outside one contiguous slice of the vocabulary
-        return (f"{core!r} at {where}: the vocabulary of an nn.Embedding is no packed parts; "
-                "use rowwise().")
+        return f"{core!r} at {where}: the vocabulary of an nn.Embedding is no packed parts; use rowwise()."
     return _no_renorm(core, module, where) or Meaning(
         _primitives("rowwise_embedding", core.parts, False),
         local=plain and _own_forward(module, nn.Embedding), vocab=True, shape=_embedding_shape)
@@ -177,29 +166,25 @@ def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
 def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
     if isinstance(module, MIXING) or (
             isinstance(module, nn.LayerNorm) and len(module.normalized_shape) > 1):
-        return (f"{core!r} at {where}: sequence parallelism runs a module on each position "
-                f"alone, but {type(module).__name__} combines positions (batch statistics, "
-                "groups or windows), so a shard of the sequence gives other numbers; leave it "
-                "out of the plan and hand it the whole sequence (prepare_in(Shard(1), "
-                "desired=Replicate()) on it, or end the sequence-parallel region before it).")
+        return (f"{core!r} at {where}: sequence parallelism runs a module on each position alone, but "
+                f"{type(module).__name__} combines positions (batch statistics, groups or windows), so a "
+                "shard of the sequence gives other numbers; leave it out of the plan and hand it the whole "
+                "sequence (prepare_in(Shard(1), desired=Replicate()) on it, or end the sequence-parallel "
+                "region before it).")
     big = [n for n in owned if parameter(module, n).dim() > 1]
     if big:
-        return (
-            f"{core!r} at {where}: sequence parallelism runs a module on each position alone, "
-            f"so its parameters must be 1-D (norms, dropout), but {', '.join(big)} "
-            "is not; shard it with colwise() or rowwise()."
-        )
+        return (f"{core!r} at {where}: sequence parallelism runs a module on each position alone, "
+                f"so its parameters must be 1-D (norms, dropout), but {', '.join(big)} "
+                "is not; shard it with colwise() or rowwise().")
     seq = Shard(core.dim)
-    random = ("slice" if type(module).forward is nn.Dropout.forward
+    random = ("slice" if _own_forward(module, nn.Dropout)
               else "fork" if isinstance(module, DropoutNd) else None)
-    return Meaning(
-        params(**dict.fromkeys(owned, Replicate()))
-        >> on_shards(seq, output=seq, param_grads=dict.fromkeys(owned, Partial())),
-        random=random)
+    return Meaning(params(**dict.fromkeys(owned, Replicate()))
+                   >> on_shards(seq, output=seq, param_grads=dict.fromkeys(owned, Partial())), random=random)
 
 
 def _attention_refusal(core, module: nn.MultiheadAttention, owned: tuple) -> str | None:
-    if type(module).forward is not nn.MultiheadAttention.forward:
+    if not _own_forward(module, nn.MultiheadAttention):
         return (f"{type(module).__name__} overrides nn.MultiheadAttention.forward, and colwise() "
                 "computes nn.MultiheadAttention's own on each rank's heads; shard it with "
                 "params(...) >> on_shards(...) for its forward, or leave it out of the plan.")
@@ -242,22 +227,19 @@ def _head_mask(mask, key_padding_mask, q, module, mesh, where: str):
     """``attn_mask`` and ``key_padding_mask`` as one additive mask over this rank's heads,
     (batch, heads, target, source) or broadcast to it (None: none)."""
     batch, heads, target = q.shape[:3]
-    out = None
     if mask is not None:
         mask = _additive(mask, q.dtype)
         if mask.dim() == 3 and mask.shape[0] == batch * module.num_heads:  # per head: ours
             first = mesh.get_coordinate()[0] * heads
             mask = mask.unflatten(0, (batch, module.num_heads))[:, first:first + heads]
         elif mask.dim() != 2:
-            raise ValueError(
-                f"{where} got attn_mask of shape {tuple(mask.shape)}; sharded by heads it takes "
-                f"one mask for every head, (target, source), or one per head, (batch * "
-                f"num_heads, target, source) = ({batch * module.num_heads}, {target}, source).")
-        out = mask
+            raise ValueError(f"{where} got attn_mask of shape {tuple(mask.shape)}; sharded by heads it "
+                             f"takes one mask for every head, (target, source), or one per head, (batch * "
+                             f"num_heads, target, source) = ({batch * module.num_heads}, {target}, source).")
     if key_padding_mask is not None:
         pad = _additive(key_padding_mask, q.dtype).reshape(batch, 1, 1, -1)
-        out = pad if out is None else out + pad
-    return out
+        mask = pad if mask is None else mask + pad
+    return mask
 
 
 def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, key, value,
@@ -267,10 +249,9 @@ def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, k
     (its slice of q, k and v, whole heads), scaled dot-product attention per head, and the
     local columns of ``out_proj``, which leave a partial sum (its bias added once)."""
     if need_weights:
-        raise ValueError(
-            f"{where} computes on each rank's heads (colwise()), so need_weights=True would "
-            "return attention weights averaged over one rank's heads; call it with "
-            "need_weights=False (nn.TransformerEncoderLayer does), or leave it out of the plan.")
+        raise ValueError(f"{where} computes on each rank's heads (colwise()), so need_weights=True would "
+                         "return attention weights averaged over one rank's heads; call it with "
+                         "need_weights=False (nn.TransformerEncoderLayer does), or leave it out of the plan.")
     batched = query.dim() == 3
 
     def batch_first(x):  # (batch, sequence, features)
@@ -304,11 +285,10 @@ def colwise_attention(core, module: nn.MultiheadAttention, where: str, owned: tu
     qkv, bias = Shard(0, parts=3), module.in_proj_bias is not None
     rules = {"in_proj_weight": qkv, "out_proj.weight": Shard(1),
              **({"in_proj_bias": qkv, "out_proj.bias": Replicate()} if bias else {})}
-    return Meaning(
-        params(**rules) >> on_shards(Replicate(), Replicate(), Replicate(), grads=Partial())
-        >> prepare_out(Replicate(), given=Partial()),
-        bias_once="out_proj.bias" if bias else False, random="fork" if module.dropout else None,
-        forward=attention_on_heads, fits=_attention_fits)
+    return Meaning(params(**rules) >> on_shards(Replicate(), Replicate(), Replicate(), grads=Partial())
+                   >> prepare_out(Replicate(), given=Partial()),
+                   bias_once="out_proj.bias" if bias else False, random="fork" if module.dropout else None,
+                   forward=attention_on_heads, fits=_attention_fits)
 
 
 # (built-in, module kind) -> its row; the first kind the module is an instance of applies.
@@ -328,8 +308,7 @@ def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()
     ...)`` (``Plan.kind``), the first class the module is an instance of; the class
     attribute ``tpfn_rows = {"colwise": row, ...}`` of a module kind of the user's own; then
     ``TABLE``. Each ``row(core, module, where, owned)`` returns a style of primitives (or a
-    ``Meaning``, or a sentence refusing).
-    """
+    ``Meaning``, or a sentence refusing)."""
     mine = next((rows for kind, rows in kinds if isinstance(module, kind)), {})
     row = dict(mine).get(core.kind) or getattr(type(module), "tpfn_rows", {}).get(core.kind)
     if row is not None:

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, near
 from tpfn.errors import PlanError
-from tpfn.layout import Shard, exact_in_torch  # noqa: F401  (Shard: the doctest's names)
+from tpfn.layout import exact_in_torch
 from tpfn.plans.kinds import Kernel, meaning
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs
@@ -79,8 +79,7 @@ def _signature_names(forward, skip: int):
 def owned(module: nn.Module, bound=()) -> tuple:
     """The names of the parameters of ``module`` and of its submodules outside the subtrees
     ``bound`` (relative names of submodules with styles of their own), a tied one once."""
-    inside = lambda name: any(name.startswith(b + ".") for b in bound)  # noqa: E731
-    return tuple(n for n, _ in module.named_parameters() if not inside(n))
+    return tuple(n for n, _ in module.named_parameters() if not any(n.startswith(b + ".") for b in bound))
 
 
 def _on_dtensors(stage: OnShards) -> tuple:
@@ -105,28 +104,19 @@ def _expanded(style: Style, core: Core, primitives: Style, local_shards: bool) -
     return Style(style.stages[:i] + tuple(stages) + style.stages[i + 1:])
 
 
-def _expand(style: Style, core: Core, found: list, module, where: str, own: tuple, kinds: tuple):
-    """``style`` with its core written as its row's primitives, and the row's extras."""
-    row = meaning(core, module, where, own, kinds)
-    if isinstance(row, str):
-        found.append(row)
-        return None, None
-    return _expanded(style, core, row.style, row.local), {"bias_once": row.bias_once, "vocab": row.vocab, "random": row.random,
-                      "shape": row.shape, "forward": row.forward, "fits": row.fits}
-
-
 def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple = ()):
     """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it
     (``kinds``: the plan's own rows per module kind, ``Plan.kinds``)."""
-    where = describe(module, fqn)
+    where, own = describe(module, fqn), owned(module, bound)
+    expanded, extras = style, {"random": "fork"}  # an on_shards style draws on shards
+    if isinstance(style.core, Core):  # a built-in: its row's primitives, and the row's extras
+        row = meaning(style.core, module, where, own, kinds)
+        if isinstance(row, str):
+            return [row]
+        expanded = _expanded(style, style.core, row.style, row.local)
+        extras = {name: getattr(row, name)
+                  for name in ("bias_once", "vocab", "random", "shape", "forward", "fits")}
     found: list = []
-    own = owned(module, bound)
-    extras = {"random": "fork"}  # an on_shards style draws on shards
-    expanded = style
-    if isinstance(style.core, Core):
-        expanded, extras = _expand(style, style.core, found, module, where, own, kinds)
-        if expanded is None:
-            return found
     n = expanded.normal
     names_here = own if not bound else [name for name, _ in module.named_parameters()]
     buffers = [name for name, _ in module.named_buffers()]
@@ -182,11 +172,10 @@ def _beyond_dtensor(style: Style, where: str, placements: dict, kernel, inputs, 
     odd = sorted(n for n, p in placements.items() if not exact_in_torch(p))
     found = []
     if odd and kernel is None:
-        found.append(f"{style!r} at {where}: {', '.join(map(repr, odd))} "
-                     f"{'is' if len(odd) == 1 else 'are'} laid out {placements[odd[0]]!r}, which "
-                     "DTensor has no placement for, but the module computes on DTensors (its "
-                     "forward is not the kind's own); shard it with on_shards(...), which hands "
-                     "it local shards, or split the projection.")
+        found.append(f"{style!r} at {where}: {', '.join(map(repr, odd))} {'is' if len(odd) == 1 else 'are'} "
+                     f"laid out {placements[odd[0]]!r}, which DTensor has no placement for, but the module "
+                     "computes on DTensors (its forward is not the kind's own); shard it with "
+                     "on_shards(...), which hands it local shards, or split the projection.")
     slots = [*(("input", i, s) for i, s in enumerate(inputs.slots)),
              *(("output", i, s) for i, s in enumerate(outputs.slots))]
     for side, i, slot in slots:
@@ -195,14 +184,13 @@ def _beyond_dtensor(style: Style, where: str, placements: dict, kernel, inputs, 
         if bad is None:
             continue
         if len(ends) == 2 and slot.given != slot.desired:
-            found.append(f"{style!r} at {where} moves {side} {i} from {slot.given!r} to "
-                         f"{slot.desired!r}: tpfn moves no tensor into or out of {bad!r}, which "
-                         "DTensor has no placement for; hand the local shards on as the projection "
-                         "makes them (a rowwise(parts=...) with the same parts takes them).")
+            found.append(f"{style!r} at {where} moves {side} {i} from {slot.given!r} to {slot.desired!r}: "
+                         f"tpfn moves no tensor into or out of {bad!r}, which DTensor has no placement for; "
+                         "hand the local shards on as the projection makes them (a rowwise(parts=...) with "
+                         "the same parts takes them).")
         elif side == "output" and not outputs.local:
-            found.append(f"{style!r} at {where} hands output {i} on as a DTensor laid out "
-                         f"{bad!r}, which DTensor has no placement for; hand it on as a local "
-                         "tensor (local=True).")
+            found.append(f"{style!r} at {where} hands output {i} on as a DTensor laid out {bad!r}, which "
+                         "DTensor has no placement for; hand it on as a local tensor (local=True).")
     return found
 
 
@@ -218,9 +206,8 @@ def problems(style: Style, module: nn.Module, fqn: str = "", *, bound=(), kinds:
 
 
 def mount(style: Style, module: nn.Module, fqn: str = "", *, bound=(), kinds: tuple = ()) -> Mount:
-    """The ``Mount`` of ``style`` on ``module`` (``bound``: the relative names of submodules
-    bound to styles of their own; ``kinds``: the plan's rows per module kind); a
-    ``PlanError`` lists every problem."""
+    """The ``Mount`` of ``style`` on ``module`` (``bound``: the relative names of submodules bound to
+    styles of their own; ``kinds``: the plan's rows per module kind); a ``PlanError`` lists every problem."""
     folded = try_mount(style, module, fqn, bound, kinds)
     if isinstance(folded, list):
         raise PlanError(folded)

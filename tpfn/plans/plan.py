@@ -66,10 +66,8 @@ WIDTH = 100
 
 def _check_pattern(pattern) -> str:
     if not isinstance(pattern, str):
-        raise TypeError(
-            f"plan keys must be module FQN patterns (str), e.g. 'layers.*.attention.wq' "
-            f"(got {pattern!r} that is a {type(pattern)!r})."
-        )
+        raise TypeError(f"plan keys must be module FQN patterns (str), e.g. 'layers.*.attention.wq' "
+                        f"(got {pattern!r} that is a {type(pattern)!r}).")
     if pattern and any(part == "" for part in pattern.split(".")):
         raise ValueError(f"plan key {pattern!r} has an empty name component; write e.g. 'layers.*.w1'.")
     return pattern
@@ -88,22 +86,18 @@ def _flatten(mapping, prefix: str = "") -> list:
         elif isinstance(value, Style):
             out.append((key, value))
         elif type(value).__module__.startswith("torch.distributed.tensor.parallel"):
-            raise TypeError(
-                f"plan[{pattern!r}] is PyTorch's {type(value).__name__}(...), not a tpfn style; "
-                "convert the whole plan with tpfn.from_torch(plan), which keeps its meaning.")
+            raise TypeError(f"plan[{pattern!r}] is PyTorch's {type(value).__name__}(...), not a tpfn style; "
+                            "convert the whole plan with tpfn.from_torch(plan), which keeps its meaning.")
         else:
-            raise TypeError(
-                f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) or "
-                f"a nested plan (got {value!r} that is a {type(value)!r})."
-            )
+            raise TypeError(f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) "
+                            f"or a nested plan (got {value!r} that is a {type(value)!r}).")
     return out
 
 
 def _merge(rules, fix: str = "") -> tuple:
     """The rules sorted by pattern, each once; ``fix`` (formatted with the conflicting
     pattern and right-hand style) ends the problem of a pattern bound to two styles."""
-    merged: dict = {}
-    conflicts = []
+    merged, conflicts = {}, []
     for pattern, style in rules:
         if pattern in merged and merged[pattern] != style:
             conflicts.append(f"{pattern!r} is bound to {merged[pattern]!r} and to {style!r}"
@@ -129,10 +123,10 @@ def _kinds(mapping, where: str = "plan kinds") -> tuple:
     out = []
     for kind, rows in mapping.items():
         if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
-            raise TypeError(
-                f"{where}: a rule is for a module class (a subclass of nn.Module), e.g. "
-                f"{{nn.MultiheadAttention: {{'colwise': row}}}}; got {kind!r} that is a "
-                f"{type(kind)!r}{'' if not isinstance(kind, nn.Module) else ': pass its class, ' + type(kind).__name__}.")
+            instance = f": pass its class, {type(kind).__name__}" if isinstance(kind, nn.Module) else ""
+            raise TypeError(f"{where}: a rule is for a module class (a subclass of nn.Module), e.g. "
+                            f"{{nn.MultiheadAttention: {{'colwise': row}}}}; got {kind!r} that is a "
+                            f"{type(kind)!r}{instance}.")
         if not isinstance(rows, dict) or not rows:
             raise TypeError(f"{where}[{kind.__name__}] must be a dict of built-in -> row, e.g. "
                             f"{{'colwise': row}} (got {rows!r}).")
@@ -173,13 +167,11 @@ class Plan:
     def __or__(self, other) -> "Plan":
         """Both plans' rules; a pattern bound to two different styles is an error (to
         replace a rule, ``override`` it), and so is a module kind given two rows."""
-        other = as_plan(other)
-        return _joined(self, other, self.rules + other.rules)
+        return _joined(self, as_plan(other))
 
     def __ror__(self, other) -> "Plan":
         """``{pattern: style} | plan(...)``: the dict's rules, then the plan's."""
-        other = as_plan(other)
-        return _joined(other, self, other.rules + self.rules)
+        return _joined(as_plan(other), self)
 
     def override(self, rules) -> "Plan":
         """This plan with ``rules`` (a plan, a dict as ``plan`` takes, or a style for the
@@ -218,13 +210,10 @@ class Plan:
         unknown = [p for p in map(_check_pattern, patterns) if p not in rules]
         if unknown:
             listed = ", ".join(map(repr, list(rules)[:8])) + (", ..." if len(rules) > 8 else "")
-            said = "; ".join(
-                f"no rule has the pattern {p!r}"
-                + (near(p, rules) or (f" (its patterns: {listed})" if rules else " (it has none)"))
-                for p in unknown)
-            called = ", ".join(map(repr, patterns))
-            raise ValueError(f"plan.without({called}): {said}; give each pattern exactly as the "
-                             "plan has it (print(plan) lists them).")
+            hint = f" (its patterns: {listed})" if rules else " (it has none)"
+            said = "; ".join(f"no rule has the pattern {p!r}{near(p, rules) or hint}" for p in unknown)
+            raise ValueError(f"plan.without({', '.join(map(repr, patterns))}): {said}; give each pattern "
+                             "exactly as the plan has it (print(plan) lists them).")
         return Plan(tuple((p, s) for p, s in self.rules if p not in patterns), self.kinds)
 
     def under(self, prefix: str) -> "Plan":
@@ -243,19 +232,17 @@ class Plan:
         return "plan({\n" + "".join(f"    {p!r}: {s!r},\n" for p, s in self.rules) + "}" + kinds + ")"
 
 
-def _joined(a: Plan, b: Plan, rules) -> Plan:
+def _joined(a: Plan, b: Plan) -> Plan:
+    """``a``'s rules and kinds, then ``b``'s; every conflict is one problem of one ``PlanError``."""
     conflicts: list = []
     kinds = _merge_kinds(a.kinds, b.kinds, conflicts)
     try:
-        merged = _merge(rules, _OVERRIDE)
+        merged = _merge(a.rules + b.rules, "; bind it once, or override it: plan.override({rule})")
     except PlanError as e:
         conflicts = e.problems + conflicts
     if conflicts:
         raise PlanError(conflicts)
     return Plan(merged, kinds)
-
-
-_OVERRIDE = "; bind it once, or override it: plan.override({rule})"
 
 
 def _nested_kinds(mapping) -> tuple:
@@ -310,20 +297,18 @@ def _prefixed(rules, modules: dict, found: list) -> list:
     if len(missing) < 2 or not all(any(matches(r, f) for f in modules) for r in rest):
         return found
     kept = [f for f in found if not any(f.startswith(f"{p!r} -> ") for p in missing)]
-    return kept + [f"{len(missing)} patterns start with {head + '.'!r}, which this module does "
-                   f"not have, and match once it is dropped: the plan is for a model that holds "
-                   f"this one as {head!r}; pass that model, or the plan's rules under "
-                   f"{head + '.'!r} (e.g. {rest[0]!r})."]
+    return kept + [f"{len(missing)} patterns start with {head + '.'!r}, which this module does not have, "
+                   f"and match once it is dropped: the plan is for a model that holds this one as "
+                   f"{head!r}; pass that model, or the plan's rules under {head + '.'!r} (e.g. {rest[0]!r})."]
 
 
 def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
     """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
     one ``PlanError`` listing every problem."""
     resolved = as_plan(plan_like)
-    rules = resolved.rules
     modules = dict(module.named_modules())
     found, bound = [], {}
-    for pattern, style in rules:
+    for pattern, style in resolved.rules:
         hits = [fqn for fqn in modules if matches(pattern, fqn)]
         if not hits:
             names = [f for f in modules if f]
@@ -335,17 +320,15 @@ def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
             found.append(f"{pattern!r} -> {style!r} matches no module{hint}")
         for fqn in hits:
             bound.setdefault(fqn, []).append((pattern, style))
-    found = _prefixed(rules, modules, found)
-    folded = []
-    order = {fqn: i for i, fqn in enumerate(modules)}
-    below: dict = {}  # fqn -> the relative names of the bound modules under it
+    found = _prefixed(resolved.rules, modules, found)
+    folded, below = [], {}  # below: fqn -> the relative names of the bound modules under it
     for fqn in bound:
         parts = fqn.split(".") if fqn else []
         for i in range(len(parts)):
             prefix = ".".join(parts[:i])
             if prefix in bound:
                 below.setdefault(prefix, []).append(".".join(parts[i:]))
-    for fqn, entries in sorted(bound.items(), key=lambda item: order[item[0]]):
+    for fqn, entries in ((fqn, bound[fqn]) for fqn in modules if fqn in bound):  # in module order
         styles = sorted({s for _, s in entries}, key=repr)
         if len(styles) > 1:
             by = "; ".join(f"{p!r} -> {s!r}" for p, s in entries)
@@ -360,4 +343,3 @@ def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
     if found:
         raise PlanError(found)
     return tuple(folded)
-

@@ -8,11 +8,10 @@ True
 >>> identity() >> rowwise() == rowwise() == rowwise() >> identity()
 True
 
-Each input or output *slot* carries ``given`` (the layout a tensor arrives in) and
-``desired`` (the layout wanted after it). Composition folds a chain of slots into one,
-so a chain mounts as at most one redistribution per slot:
-``rowwise() >> prepare_out(Shard(1))`` reduce-scatters the partial sums directly.
-Inputs come before the core, outputs after it, at most one core; ``params`` go anywhere.
+Each input or output *slot* carries ``given`` (the layout a tensor arrives in) and ``desired`` (the
+layout wanted after it). Composition folds a chain of slots into one, so a chain mounts as at most
+one redistribution per slot: ``rowwise() >> prepare_out(Shard(1))`` reduce-scatters the partial sums
+directly. Inputs come before the core, outputs after it, at most one core; ``params`` go anywhere.
 """
 
 from __future__ import annotations
@@ -22,17 +21,8 @@ from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, flag, placement_or_none
 from tpfn.style.style import Style
 
-__all__ = [
-    "colwise",
-    "rowwise",
-    "sequence_parallel",
-    "on_shards",
-    "replicate",
-    "params",
-    "prepare_in",
-    "prepare_out",
-    "identity",
-]
+__all__ = ["colwise", "rowwise", "sequence_parallel", "on_shards", "replicate", "params", "prepare_in",
+           "prepare_out", "identity"]
 
 
 def _local(local):
@@ -46,12 +36,10 @@ def _count(value) -> bool:
 def _parts(parts):
     if isinstance(parts, list):
         parts = tuple(parts)
-    if isinstance(parts, tuple) and len(parts) > 1 and all(map(_count, parts)):
-        return parts
-    if isinstance(parts, tuple):
+    if isinstance(parts, tuple) and not (len(parts) > 1 and all(map(_count, parts))):
         raise TypeError(f"'parts' must be a positive int (equal parts) or a tuple of two or more "
                         f"positive part sizes, e.g. parts=(64, 16, 16) (got {parts!r}).")
-    if not _count(parts):
+    if not isinstance(parts, tuple) and not _count(parts):
         raise TypeError(f"'parts' must be a positive int (got {parts!r} that is a {type(parts)!r}).")
     return parts
 
@@ -69,8 +57,7 @@ def _heads(heads, parts):
     return heads
 
 
-def colwise(*, parts: int | tuple = 1, heads: int | None = None,
-            local: bool | None = None) -> Style:
+def colwise(*, parts: int | tuple = 1, heads: int | None = None, local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (its output features).
 
     - ``nn.Linear``: ``weight`` and ``bias`` become ``Shard(0)`` (output features).
@@ -174,20 +161,18 @@ def on_shards(*wants: Placement | None, grads: Placement | tuple | None = None,
     wants = tuple(placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
     if is_placement(grads):  # one layout for every input the module computes with
         if not wants:
-            raise TypeError(f"on_shards: 'grads' has no inputs to apply to: give one layout per "
-                            f"input first (None: untouched), e.g. on_shards(Replicate(), "
-                            f"grads={grads!r}).")
+            raise TypeError(f"on_shards: 'grads' has no inputs to apply to: give one layout per input first "
+                            f"(None: untouched), e.g. on_shards(Replicate(), grads={grads!r}).")
         grads = tuple(None if w is None else grads for w in wants)
     grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants),
                                                    "on_shards(Replicate(), grads=Partial())")
     output = placement_or_none("on_shards: 'output'", output)
-    rules = []
-    for name, placement in (param_grads or {}).items():
+    param_grads = param_grads or {}
+    for name, placement in param_grads.items():
         if not isinstance(name, str) or not is_placement(placement):
             raise TypeError(f"on_shards: 'param_grads' maps parameter names to placements "
                             f"(got {name!r}: {placement!r}).")
-        rules.append((name, placement))
-    return Style((OnShards(wants, grads, output, tuple(sorted(rules)), _local(local)),))
+    return Style((OnShards(wants, grads, output, tuple(sorted(param_grads.items())), _local(local)),))
 
 
 def replicate() -> Style:
@@ -220,10 +205,8 @@ def params(**rules: Shard | Replicate) -> Style:
     """
     for name, placement in rules.items():
         if not isinstance(placement, (Shard, Replicate)):
-            raise TypeError(
-                f"params: {name!r} must be Shard(dim) or Replicate() (got {placement!r} that is a "
-                f"{type(placement)!r}); a parameter holds values, never pending partial sums."
-            )
+            raise TypeError(f"params: {name!r} must be Shard(dim) or Replicate() (got {placement!r} that is "
+                            f"a {type(placement)!r}); a parameter holds values, never pending partial sums.")
     return Style((Params(tuple(sorted(rules.items()))),))
 
 
@@ -240,10 +223,8 @@ def _per_slot(what: str, value, n: int, example: str) -> tuple:
         return (value,)
     if isinstance(value, tuple) and len(value) == n:
         return tuple(placement_or_none(f"{what}[{i}]", v) for i, v in enumerate(value))
-    raise TypeError(
-        f"{what} must be a placement or a tuple of {n} placements/None "
-        f"(got {value!r} that is a {type(value)!r})."
-    )
+    raise TypeError(f"{what} must be a placement or a tuple of {n} placements/None "
+                    f"(got {value!r} that is a {type(value)!r}).")
 
 
 def _named_slots(what: str, mapping, lone: str) -> tuple:
@@ -260,9 +241,8 @@ def _named_slots(what: str, mapping, lone: str) -> tuple:
         if is_placement(value) or value is None:
             value = (value, None) if lone == "given" else (None, value)
         if not (isinstance(value, tuple) and len(value) == 2):
-            raise TypeError(
-                f"{what}[{name!r}] must be a placement or a (given, desired) pair (got {value!r})."
-            )
+            raise TypeError(f"{what}[{name!r}] must be a placement or a (given, desired) pair "
+                            f"(got {value!r}).")
         given, desired = (placement_or_none(f"{what}[{name!r}]", v) for v in value)
         out.append((name, Slot(given, desired)))
     return tuple(sorted((n, s) for n, s in out if not s.untouched))
@@ -298,19 +278,16 @@ def prepare_in(*given: Placement | None, desired: Placement | tuple | None = Non
     prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
     """
     given = tuple(placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
-    wanted = _per_slot("prepare_in: 'desired'", desired, len(given),
-                       "prepare_in(None, desired=Replicate())")
+    wanted = _per_slot("prepare_in: 'desired'", desired, len(given), "prepare_in(None, desired=Replicate())")
     backs = _per_slot("prepare_in: 'grads'", grads, len(given),
                       "prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)")
     for i, (g, back) in enumerate(zip(given, backs)):
         if back is not None and (back != Partial() or g != Replicate() or local is not True):
-            raise TypeError(
-                f"prepare_in: 'grads' hands the gradient of a replicated local input back as "
-                f"terms of a sum: grads=Partial() on a given Replicate() with local=True (input "
-                f"{i} is given {g!r}, grads={back!r}, local={local!r}); every other input's "
-                "gradient is handed back whole, as its given layout's cotangent.")
-    slots = tuple(Slot(g, d, b) for g, d, b in zip(given, wanted, backs))
-    slots = fold(slots, (), "input")
+            raise TypeError(f"prepare_in: 'grads' hands the gradient of a replicated local input back as "
+                            f"terms of a sum: grads=Partial() on a given Replicate() with local=True (input "
+                            f"{i} is given {g!r}, grads={back!r}, local={local!r}); every other input's "
+                            "gradient is handed back whole, as its given layout's cotangent.")
+    slots = fold(tuple(Slot(g, d, b) for g, d, b in zip(given, wanted, backs)), (), "input")
     named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
     return Style((Inputs(slots, named, _local(local), arity),))
 
@@ -333,8 +310,7 @@ def prepare_out(*desired: Placement | None, given: Placement | tuple | None = No
     prepare_out(Shard(dim=0), given=Replicate())
     """
     desired = tuple(placement_or_none(f"prepare_out: output {i}", d) for i, d in enumerate(desired))
-    givens = _per_slot("prepare_out: 'given'", given, len(desired),
-                       "prepare_out(None, given=Partial())")
+    givens = _per_slot("prepare_out: 'given'", given, len(desired), "prepare_out(None, given=Partial())")
     slots = fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
     named = _named_slots("prepare_out: 'keys'", keys, "desired")
     return Style((Outputs(slots, named, _local(local)),))

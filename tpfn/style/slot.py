@@ -7,6 +7,8 @@ Slot(given=Partial(), desired=Shard(dim=1))
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 
 from tpfn.errors import StyleError
@@ -17,10 +19,8 @@ __all__ = ["Slot", "fold", "fold_named"]
 
 def _shard_compatible(a, b) -> bool:
     """Equal, or shards whose dims may coincide once the tensor's ndim is known."""
-    if a == b:
-        return True
-    return (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
-            and a.heads == b.heads and (a.dim < 0) != (b.dim < 0))
+    return a == b or (isinstance(a, Shard) and isinstance(b, Shard) and a.parts == b.parts
+                      and a.heads == b.heads and (a.dim < 0) != (b.dim < 0))
 
 
 @attrs.frozen(cache_hash=True, repr=False)
@@ -29,8 +29,7 @@ class Slot:
 
     ``given=None`` accepts what arrives: a DTensor brings its own layout, a plain tensor is
     taken to be in ``desired`` already. A slot with neither is left alone. ``grad``: the
-    layout the input's gradient is handed back in (None: ``given``'s cotangent).
-    """
+    layout the input's gradient is handed back in (None: ``given``'s cotangent)."""
 
     given: object = None
     desired: object = None
@@ -60,23 +59,19 @@ class Slot:
         if other.untouched:
             return self
         if other.grad is not None:
-            raise StyleError(
-                f"{where}: a later stage declares the gradient's layout (grads={other.grad!r}), "
-                "but the gradient is handed back from the first stage's given layout; declare "
-                "grads= on the first prepare_in of the chain.")
+            raise StyleError(f"{where}: a later stage declares the gradient's layout (grads={other.grad!r}), "
+                             "but the gradient is handed back from the first stage's given layout; declare "
+                             "grads= on the first prepare_in of the chain.")
         if other.given is not None and not _shard_compatible(self.out, other.given):
-            raise StyleError(
-                f"{where}: one stage delivers {self.out!r} and the next declares it arrives as "
-                f"{other.given!r}; make the declarations agree (or leave given=None)."
-            )
+            raise StyleError(f"{where}: one stage delivers {self.out!r} and the next declares it arrives "
+                             f"as {other.given!r}; make the declarations agree (or leave given=None).")
         return Slot(self.given, other.out, self.grad)
 
 
 def fold(slots_a: tuple, slots_b: tuple, where: str) -> tuple:
     """Positional slots ``slots_a`` followed by ``slots_b``, slot by slot."""
-    n = max(len(slots_a), len(slots_b))
-    pad = lambda s: s + (Slot(),) * (n - len(s))  # noqa: E731
-    out = tuple(a.then(b, f"{where} {i}") for i, (a, b) in enumerate(zip(pad(slots_a), pad(slots_b))))
+    pairs = itertools.zip_longest(slots_a, slots_b, fillvalue=Slot())
+    out = tuple(a.then(b, f"{where} {i}") for i, (a, b) in enumerate(pairs))
     while out and out[-1].untouched:
         out = out[:-1]
     return out

@@ -27,30 +27,27 @@ __all__ = ["Inputs", "Outputs", "Core", "OnShards", "Params", "CORES", "placemen
 CORES = ("colwise", "rowwise", "sequence_parallel")
 
 
+def _checked(what: str, value, ok: bool, expected: str):
+    """``value`` if ``ok``, else a TypeError saying that ``what`` must be ``expected``."""
+    if not ok:
+        raise TypeError(f"{what} must be {expected} (got {value!r} that is a {type(value)!r}).")
+    return value
+
+
 def placement_or_none(what: str, value):
     """``value`` if it is a layout (Shard, Replicate, Partial) or None, else a TypeError."""
-    if value is not None and not is_placement(value):
-        raise TypeError(
-            f"{what} must be a placement (Shard, Replicate, Partial) or None "
-            f"(got {value!r} that is a {type(value)!r})."
-        )
-    return value
+    return _checked(what, value, value is None or is_placement(value),
+                    "a placement (Shard, Replicate, Partial) or None")
 
 
 def flag(what: str, value):
     """``value`` if it is True, False or None, else a TypeError."""
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{what} must be True, False or None (got {value!r} that is a {type(value)!r}).")
-    return value
+    return _checked(what, value, value is None or isinstance(value, bool), "True, False or None")
 
 
 def _valid(check, expected: str):
     """An attrs validator: ``check(value)`` or a TypeError naming the field."""
-    def validate(instance, attribute, value):
-        if not check(value):
-            raise TypeError(f"'{attribute.name}' must be {expected} (got {value!r} that is a "
-                            f"{type(value)!r}).")
-    return validate
+    return lambda instance, attribute, value: _checked(f"'{attribute.name}'", value, check(value), expected)
 
 
 def _pairs(second):
@@ -78,21 +75,23 @@ def _kind(instance, attribute, value):
         raise ValueError(f"'kind' must be one of {', '.join(map(repr, CORES))} (got {value!r}).")
 
 
-def _slots_repr(slots: tuple, main: str, other: str) -> list:
-    """Constructor arguments for slots: ``main`` layouts positionally, ``other`` by keyword."""
-    args = [repr(getattr(s, main)) for s in slots]
-    others = [getattr(s, other) for s in slots]
-    if any(o is not None for o in others):
-        args.append(f"{other}={others[0]!r}" if len(others) == 1 else f"{other}={tuple(others)!r}")
-    return args
+def _call(name: str, args: list, **options) -> str:
+    """The constructor call ``name(*args, key=value, ...)``, leaving out the options that are None."""
+    args = [*args, *(f"{k}={v!r}" for k, v in options.items() if v is not None)]
+    return f"{name}({', '.join(args)})"
+
+
+def _joint(values):
+    """One value per slot as one keyword argument: the lone value, else the tuple (None: all None)."""
+    values = tuple(values)
+    return None if all(v is None for v in values) else values[0] if len(values) == 1 else values
 
 
 def _arity(instance, attribute, value):
     if value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise TypeError(f"'arity' must be None or an int >= 0 (got {value!r} that is a "
-                        f"{type(value)!r}).")
+    _checked("'arity'", value, isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+             "None or an int >= 0")
     if value < len(instance.slots):
         raise ValueError(f"'arity' must be at least the number of positional layouts, "
                          f"{len(instance.slots)} (got {value!r}).")
@@ -109,18 +108,10 @@ class Inputs:
     arity: object = attrs.field(default=None, validator=_arity)
 
     def __repr__(self):
-        args = _slots_repr(self.slots, "given", "desired")
-        grads = tuple(s.grad for s in self.slots)
-        if any(g is not None for g in grads):  # where a gradient is handed back as terms
-            args.append(f"grads={grads[0]!r}" if len(grads) == 1 else f"grads={grads!r}")
-        if self.kwargs:
-            pairs = {k: (s.given, s.desired) for k, s in self.kwargs}
-            args.append(f"kwargs={pairs!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        if self.arity is not None:
-            args.append(f"arity={self.arity!r}")
-        return f"prepare_in({', '.join(args)})"
+        return _call("prepare_in", [repr(s.given) for s in self.slots],
+                     desired=_joint(s.desired for s in self.slots), grads=_joint(s.grad for s in self.slots),
+                     kwargs={k: (s.given, s.desired) for k, s in self.kwargs} or None,
+                     local=self.local, arity=self.arity)
 
 
 @attrs.frozen(repr=False, cache_hash=True)
@@ -132,19 +123,14 @@ class Outputs:
     local: object = attrs.field(default=None, validator=_local)
 
     def __repr__(self):
-        args = _slots_repr(self.slots, "desired", "given")
-        if self.keys:
-            pairs = {k: (s.given, s.desired) for k, s in self.keys}
-            args.append(f"keys={pairs!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"prepare_out({', '.join(args)})"
+        return _call("prepare_out", [repr(s.desired) for s in self.slots],
+                     given=_joint(s.given for s in self.slots),
+                     keys={k: (s.given, s.desired) for k, s in self.keys} or None, local=self.local)
 
 
 @attrs.frozen(repr=False, cache_hash=True)
 class Core:
-    """Stage: a built-in way to shard the module itself: ``colwise``, ``rowwise`` or
-    ``sequence_parallel``."""
+    """Stage: a built-in way to shard the module itself: ``colwise``, ``rowwise`` or ``sequence_parallel``."""
 
     kind: str = attrs.field(validator=_kind)
     dim: int = attrs.field(default=1, validator=_int)
@@ -154,13 +140,8 @@ class Core:
 
     def __repr__(self):
         args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
-        if self.parts != 1:
-            args.append(f"parts={self.parts!r}")
-        if self.heads is not None:
-            args.append(f"heads={self.heads!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"{self.kind}({', '.join(args)})"
+        return _call(self.kind, args, parts=None if self.parts == 1 else self.parts, heads=self.heads,
+                     local=self.local)
 
     @property
     def outputs(self) -> tuple:
@@ -193,19 +174,14 @@ class OnShards:
                             f"got {self.grads!r}.")
 
     def __repr__(self):
-        args = [repr(w) for w in self.wants]
-        uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
-        if self.grads != self.wants:
+        grads = None
+        if self.grads != self.wants:  # one layout for every input computed with, or one each
+            uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
             broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
                 None if w is None else next(iter(uniform)) for w in self.wants)
-            args.append(f"grads={next(iter(uniform))!r}" if broadcast else f"grads={self.grads!r}")
-        if self.output is not None:
-            args.append(f"output={self.output!r}")
-        if self.param_grads:
-            args.append(f"param_grads={dict(self.param_grads)!r}")
-        if self.local is not None:
-            args.append(f"local={self.local!r}")
-        return f"on_shards({', '.join(args)})"
+            grads = next(iter(uniform)) if broadcast else self.grads
+        return _call("on_shards", [repr(w) for w in self.wants], grads=grads, output=self.output,
+                     param_grads=dict(self.param_grads) or None, local=self.local)
 
     @property
     def outputs(self) -> tuple:

@@ -47,30 +47,23 @@ def normal_form(stages: tuple) -> Normal:
     """The ``Normal`` of ``stages``, or a ``StyleError`` saying what cannot mean anything."""
     core = outputs_seen = None
     inputs, outputs = Inputs(), Outputs()
-    names: dict = {}
-    rests = set()
+    names, rests = {}, set()
     for stage in stages:
         if isinstance(stage, Inputs):
             if core or outputs_seen:
                 first = core or outputs_seen
-                raise StyleError(
-                    f"{stage!r} comes after {first!r}: inputs are prepared before "
-                    f"the module computes; put it first, e.g. {stage!r} >> {first!r}."
-                )
+                raise StyleError(f"{stage!r} comes after {first!r}: inputs are prepared before "
+                                 f"the module computes; put it first, e.g. {stage!r} >> {first!r}.")
             inputs = Inputs(fold(inputs.slots, stage.slots, "input"),
                             fold_named(inputs.kwargs, stage.kwargs, "keyword input"),
                             _last(inputs.local, stage.local), _last(inputs.arity, stage.arity))
         elif isinstance(stage, (Core, OnShards)):
             if core:
-                raise StyleError(
-                    f"{core!r} >> {stage!r}: a style shards its module one way; bind "
-                    "each to its own module in a plan."
-                )
+                raise StyleError(f"{core!r} >> {stage!r}: a style shards its module one way; bind "
+                                 "each to its own module in a plan.")
             if outputs_seen:
-                raise StyleError(
-                    f"{outputs_seen!r} comes before {stage!r}: outputs are prepared after the "
-                    f"module computes; write {stage!r} >> {outputs_seen!r}."
-                )
+                raise StyleError(f"{outputs_seen!r} comes before {stage!r}: outputs are prepared after "
+                                 f"the module computes; write {stage!r} >> {outputs_seen!r}.")
             core = stage
             outputs = Outputs(fold(outputs.slots, stage.outputs, "output"), outputs.keys, stage.local)
         elif isinstance(stage, Outputs):
@@ -81,10 +74,8 @@ def normal_form(stages: tuple) -> Normal:
         elif isinstance(stage, Params):
             for name, placement in stage.rules:
                 if names.get(name, placement) != placement:
-                    raise StyleError(
-                        f"parameter {name!r} is placed twice: {names[name]!r} and {placement!r}; "
-                        "keep one."
-                    )
+                    raise StyleError(f"parameter {name!r} is placed twice: {names[name]!r} and "
+                                     f"{placement!r}; keep one.")
                 names[name] = placement
             if stage.rest is not None:
                 rests.add(stage.rest)
@@ -100,13 +91,15 @@ def _stages(instance, attribute, value):
         raise TypeError(f"'stages' must be a tuple of stages (got {value!r}).")
 
 
+def _not_a_style(other, side: str) -> TypeError:
+    return TypeError(f"`>>` composes styles (colwise(), prepare_in(...), ...); got {other!r} that is "
+                     f"a {type(other)!r}{side}.")
+
+
 @attrs.frozen(repr=False, cache_hash=True)
 class Style:
-    """How to parallelize one module: stages composed left to right with ``>>``.
-
-    Equal by structure, hashable, and printed as the code that builds it; ``normal`` is its
-    folded form.
-    """
+    """How to parallelize one module: stages composed left to right with ``>>``; equal by
+    structure, hashable, and printed as the code that builds it; ``normal`` is its folded form."""
 
     stages: tuple = attrs.field(default=(), validator=_stages)
     normal: Normal = attrs.field(init=False, eq=False, hash=False, repr=False)
@@ -117,20 +110,13 @@ class Style:
     def then(self, other: "Style") -> "Style":
         """This style followed by ``other`` in data flow (``self >> other``)."""
         if not isinstance(other, Style):
-            raise TypeError(
-                f"`>>` composes styles (colwise(), prepare_in(...), ...); got {other!r} that is "
-                f"a {type(other)!r}."
-            )
+            raise _not_a_style(other, "")
         return Style(self.stages + other.stages)
 
-    def __rshift__(self, other: "Style") -> "Style":
-        return self.then(other)
+    __rshift__ = then
 
     def __rrshift__(self, other):
-        raise TypeError(
-            f"`>>` composes styles (colwise(), prepare_in(...), ...); got {other!r} that is "
-            f"a {type(other)!r} on its left."
-        )
+        raise _not_a_style(other, " on its left")
 
     def __repr__(self):
         return " >> ".join(map(repr, self.stages)) or "identity()"
