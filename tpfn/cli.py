@@ -99,15 +99,12 @@ def _load(path: str, what: str, traceback: bool = False):
             value = getattr(value, part)
     except argparse.ArgumentTypeError:
         raise
-    except (ImportError, AttributeError, ValueError) as e:
-        if traceback:
-            raise
-        raise argparse.ArgumentTypeError(f"cannot load the {what} {path!r}: {e}") from None
     except Exception as e:
         if traceback:
             raise
-        raise argparse.ArgumentTypeError(
-            f"cannot load the {what} {path!r}: {type(e).__name__}: {e} ({_WHERE})") from None
+        detail = e if isinstance(e, (ImportError, AttributeError, ValueError)) else \
+            f"{type(e).__name__}: {e} ({_WHERE})"
+        raise argparse.ArgumentTypeError(f"cannot load the {what} {path!r}: {detail}") from None
     if callable(value) and not isinstance(value, nn.Module):
         try:
             inspect.signature(value).bind()
@@ -176,15 +173,9 @@ def _input(text: str) -> tuple:
 
 def _width(text: str):
     if not text.isdigit() or 0 < int(text) < MIN_WIDTH:
-        raise argparse.ArgumentTypeError(
-            f"--width takes a number of columns, at least {MIN_WIDTH}, or 0 for no limit "
-            f"(got {text!r})")
+        raise argparse.ArgumentTypeError(f"--width takes a number of columns, at least {MIN_WIDTH}, "
+                                         f"or 0 for no limit (got {text!r})")
     return int(text)
-
-
-def _version() -> str:
-    from tpfn import __version__
-    return f"tpfn {__version__}"
 
 
 INPUTS = """\
@@ -197,62 +188,54 @@ Repeat --input for more inputs. Positional and keyword inputs mix where the mode
 names its positional parameters."""
 
 
-def _input_options(parser, shapes: str) -> None:
-    """The --input and --dtype options, shared by explain and verify."""
+def _shared(parser, shapes: str, **world_size) -> None:
+    """The arguments explain and verify share: MODEL, PLAN, --world-size, --input, --dtype."""
+    parser.add_argument("model", help="import path (package.module:name) or file (path/model.py:name) "
+                        "of a module, or of a function returning one")
+    parser.add_argument("plan", help="import path or file of a plan (dict, plan(), style) or a "
+                        "function returning one")
+    parser.add_argument("--world-size", **world_size)
     parser.add_argument("--input", action="append", type=_input, default=[],
-                        metavar="[NAME=]SHAPE[:DTYPE][:grad]",
-                        help=f"an input: {shapes}; input_ids=1,256; 8,16,64:float32:grad (repeat "
-                        "for more inputs)")
+                        metavar="[NAME=]SHAPE[:DTYPE][:grad]", help=f"an input: {shapes}; "
+                        "input_ids=1,256; 8,16,64:float32:grad (repeat for more inputs)")
     parser.add_argument("--dtype", type=_dtype, default=torch.int64,
                         help="dtype of the inputs that give none (int64)")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tpfn import __version__
+
     parser = argparse.ArgumentParser(
         prog="tpfn", description="Tensor parallelism for PyTorch as a small functional language.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"tpfn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     form = argparse.RawDescriptionHelpFormatter
     p = commands.add_parser("explain", help="dry-run a plan on fake ranks and print what it does",
                             description=textwrap.fill(__doc__.split("\n\n")[1].replace("``", ""), 79),
                             epilog=INPUTS, formatter_class=form)
-    model_help = "import path (package.module:name) or file (path/model.py:name) of a module, " \
-                 "or of a function returning one"
-    plan_help = "import path or file of a plan (dict, plan(), style) or a function returning one"
-    p.add_argument("model", help=model_help)
-    p.add_argument("plan", help=plan_help)
-    p.add_argument("--world-size", required=True, type=_size, help="ranks, or a name for a formula")
-    _input_options(p, "8,1024 or b,s")
+    _shared(p, "8,1024 or b,s", required=True, type=_size, help="ranks, or a name for a formula")
     p.add_argument("--size", action="append", type=_stand_in, default=[], metavar="NAME=VALUE",
                    help="stand-in value of a named size")
-    p.add_argument("--wide", action="store_true",
-                   help="also a line per parameter and per input and output slot, as wide as "
-                   "it takes (unless --width)")
+    p.add_argument("--wide", action="store_true", help="also a line per parameter and per input and "
+                   "output slot, as wide as it takes (unless --width)")
     p.add_argument("--width", type=_width, metavar="N",
                    help=f"columns of the table (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", metavar="FILE", help="write the report as a self-contained HTML page")
-    p.add_argument("--baseline", metavar="PLAN",
-                   help="with --html: set the plan beside this one (given as PLAN is; "
-                   "builtins:dict, an empty plan: no tensor parallelism)")
-    p.add_argument("--traceback", action="store_true",
-                   help="on an error, the Python traceback down to the line that failed")
-    p.set_defaults(command_parser=p)
-    v = commands.add_parser("verify", help="run a plan on N real ranks and compare every number "
-                            "with one device", description="Run the plan on N gloo ranks (forked "
-                            "processes) and compare each module's output and every gradient with "
-                            "one device. Exit status 0 when they agree, 1 when not.",
-                            epilog=INPUTS.replace(", or b,s for a formula", ""),
-                            formatter_class=form)
-    v.add_argument("model", help=model_help)
-    v.add_argument("plan", help=plan_help)
-    v.add_argument("--world-size", type=int, default=2, help="ranks (2)")
-    _input_options(v, "8,1024")
+    p.add_argument("--baseline", metavar="PLAN", help="with --html: set the plan beside this one (given "
+                   "as PLAN is; builtins:dict, an empty plan: no tensor parallelism)")
+    v = commands.add_parser("verify", help="run a plan on N real ranks and compare every number with "
+                            "one device", description="Run the plan on N gloo ranks (forked processes) "
+                            "and compare each module's output and every gradient with one device. Exit "
+                            "status 0 when they agree, 1 when not.",
+                            epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
+    _shared(v, "8,1024", type=int, default=2, help="ranks (2)")
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
-    v.add_argument("--traceback", action="store_true",
-                   help="on an error, the Python traceback down to the line that failed")
-    v.set_defaults(command_parser=v)
+    for command in (p, v):
+        command.add_argument("--traceback", action="store_true",
+                             help="on an error, the Python traceback down to the line that failed")
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -295,7 +278,7 @@ def _sig(fn) -> str:
         return "(...)"
 
 
-def _inputs(args, model) -> list:
+def _inputs(args) -> list:
     """``(name, value)`` for explain: a shape, or an input with its own dtype or gradient."""
     out = []
     for name, shape, dtype, grad in args.input:
@@ -315,7 +298,7 @@ def _tensors(args, model) -> list:
     gen = torch.Generator().manual_seed(args.seed)
     vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
     out = []
-    for name, x in _inputs(args, model):
+    for name, x in _inputs(args):
         shape, dtype, grad = (x.shape, x.dtype, x.requires_grad) if isinstance(x, ExampleInput) else (
             x, args.dtype, False)
         t = (torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point
@@ -352,8 +335,7 @@ def main(argv=None) -> int:
     ...
     True
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     usage = args.command_parser.error  # the subcommand's own usage, not the top level's
     if os.getcwd() not in sys.path and "" not in sys.path:  # the `tpfn` script: as `python -m`
         sys.path.insert(0, os.getcwd())
@@ -370,7 +352,7 @@ def main(argv=None) -> int:
         usage(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
     if args.command == "verify":
         return _verify(args, model, plan)
-    inputs = _arrange(usage, model, _inputs(args, model))
+    inputs = _arrange(usage, model, _inputs(args))
     reports = []
     for which, value in (("", plan), ("the baseline plan: ", baseline)):
         if value is None and which:
@@ -386,11 +368,10 @@ def main(argv=None) -> int:
     report = reports[0]
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
+    elif args.width is not None:  # 0: no limit
+        print(report.text(args.width or None, wide=args.wide))
     else:
-        if args.width is not None:  # 0: no limit
-            width = args.width or None
-        else:
-            width = None if args.wide else max(MIN_WIDTH, shutil.get_terminal_size().columns)
+        width = None if args.wide else max(MIN_WIDTH, shutil.get_terminal_size().columns)
         print(report.text(width, wide=args.wide))
     if args.html:
         page = report.to_html() if baseline is None else report.to_html(

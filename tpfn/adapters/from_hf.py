@@ -33,8 +33,7 @@ from tpfn.plans.kinds import meaning
 from tpfn.plans.mount import forward_names
 from tpfn.plans.plan import Plan, plan
 from tpfn.style.constructors import (
-    colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise,
-    sequence_parallel,
+    colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
 )
 
 __all__ = ["from_hf", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
@@ -50,14 +49,9 @@ _TERMS = prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
 # What a string does to a module it keys (transformers 5.24, then earlier releases);
 # "replicated_with_grad_allreduce" and "moe_tp_experts" depend on the module (_module_style).
 MODULE_STYLES = {
-    "colwise": colwise(),
-    "colwise_gather_output": _GATHERED,
-    "colwise_rep": _GATHERED,
-    "rowwise": rowwise(),
-    "rowwise_split_input": _SPLIT_INPUT,
-    "rowwise_rep": _SPLIT_INPUT,
-    "embedding_rowwise": rowwise(),
-    "embedding_colwise": _GATHERED,
+    "colwise": colwise(), "colwise_gather_output": _GATHERED, "colwise_rep": _GATHERED,
+    "rowwise": rowwise(), "rowwise_split_input": _SPLIT_INPUT, "rowwise_rep": _SPLIT_INPUT,
+    "embedding_rowwise": rowwise(), "embedding_colwise": _GATHERED,
     "packed_colwise": colwise(parts=2),
     "sequence_parallel": sequence_parallel(local=True),
     "all_reduce": _REDUCED,
@@ -66,10 +60,7 @@ MODULE_STYLES = {
     "replicate": replicate() >> on_shards(),
     # transformers 4.x
     "gather": _REDUCED,
-    "local": on_shards(),
-    "local_colwise": on_shards(),
-    "local_rowwise": on_shards(),
-    "local_packed_rowwise": on_shards(),
+    **dict.fromkeys(("local", "local_colwise", "local_rowwise", "local_packed_rowwise"), on_shards()),
 }
 
 
@@ -83,12 +74,8 @@ def _rowwise(name: str, ndim: int):
 
 # What a string does to a parameter, by its name and number of dims.
 PARAM_RULES = {
-    "colwise": _colwise,
-    "colwise_gather_output": _colwise,
-    "colwise_rep": _colwise,
-    "rowwise": _rowwise,
-    "rowwise_split_input": _rowwise,
-    "rowwise_rep": _rowwise,
+    "colwise": _colwise, "colwise_gather_output": _colwise, "colwise_rep": _colwise,
+    "rowwise": _rowwise, "rowwise_split_input": _rowwise, "rowwise_rep": _rowwise,
     "embedding_rowwise": lambda name, ndim: Shard(0),
     "embedding_colwise": lambda name, ndim: Shard(1),
     "packed_colwise": lambda name, ndim: Shard(0) if ndim == 1 else Shard(ndim - 2, parts=2),
@@ -104,26 +91,16 @@ _LOCAL = ("local_colwise", "local_rowwise", "local_packed_rowwise")
 # Strings that shard a module column-wise from a replicated input (their parent may share it).
 _CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "mla_kv_a_proj")
 
-_KINDS = {
-    **dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
-                     "rowwise_split_input", "rowwise_rep", "packed_colwise", "mla_kv_a_proj"),
-                    nn.Linear),
-    "embedding_rowwise": nn.Embedding,
-    "embedding_colwise": nn.Embedding,
-}
-
-_EXPERT_PARALLEL = (
-    "is expert parallelism (whole experts per rank, tokens sent between ranks), which tpfn "
-    "does not do; shard the experts on their hidden dim instead: 'moe_tp_experts' on the "
-    "experts module, 'packed_colwise' and 'rowwise' on its weights"
-)
+_KINDS = {**dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
+                           "rowwise_split_input", "rowwise_rep", "packed_colwise", "mla_kv_a_proj"),
+                          nn.Linear),
+          **dict.fromkeys(("embedding_rowwise", "embedding_colwise"), nn.Embedding)}
 
 # Strings whose meaning no tpfn style has: why, and what to do.
-UNSUPPORTED = {
-    "grouped_gemm": _EXPERT_PARALLEL,
-    "ep_router": _EXPERT_PARALLEL,
-    "ep_dispatch_experts": _EXPERT_PARALLEL,
-}
+UNSUPPORTED = dict.fromkeys(("grouped_gemm", "ep_router", "ep_dispatch_experts"), (
+    "is expert parallelism (whole experts per rank, tokens sent between ranks), which tpfn "
+    "does not do; shard the experts on their hidden dim instead: 'moe_tp_experts' on the "
+    "experts module, 'packed_colwise' and 'rowwise' on its weights"))
 
 # transformers' multi-head latent attention (DeepSeek-V2 and its kin): kv_a_proj_with_mqa's
 # output is the latent, which goes through the norm beside it to the column-wise
@@ -152,9 +129,8 @@ def _latent(fqn: str, modules: dict, keyed: dict, styles: dict, found: list):
     parent = fqn.rpartition(".")[0]
     norm, up = (join(parent, name) for name in (_MLA_NORM, _MLA_UP))
     every = generalize if parent else str  # one problem for all the layers
-    rule = (f"{every(fqn)!r} is 'mla_kv_a_proj', transformers' multi-head latent "
-            f"attention: its latent goes through {every(norm)!r}, a norm over the "
-            f"latent, to {every(up)!r}, keyed 'colwise'; ")
+    rule = (f"{every(fqn)!r} is 'mla_kv_a_proj', transformers' multi-head latent attention: its latent "
+            f"goes through {every(norm)!r}, a norm over the latent, to {every(up)!r}, keyed 'colwise'; ")
     if keyed.get(up) != "colwise" or not isinstance(modules[up], nn.Linear):
         why = ("it is missing" if up not in modules else "it is not in the plan" if up not in keyed
                else f"it is {keyed[up]!r}")
@@ -271,21 +247,19 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
             continue
         generic = generalize(key)  # transformers' keys name every layer index '*'
         hits = [f for f in modules if generalize(f) == generic]
-        params_hit = [n for n, _ in model.named_parameters() if generalize(n) == generic]
-        for name in params_hit:
+        params_hit = [(n, p) for n, p in model.named_parameters() if generalize(n) == generic]
+        for name, param in params_hit:
             owner, _, leaf = name.rpartition(".")
             if string not in PARAM_RULES:
                 found.append(f"{key!r} names a parameter; {string!r} applies to modules, so key "
                              f"its module {generalize(owner)!r}.")
                 break
-            ndim = model.get_parameter(name).dim()
-            own.setdefault(owner, {})[leaf] = (string, PARAM_RULES[string](leaf, ndim))
+            own.setdefault(owner, {})[leaf] = (string, PARAM_RULES[string](leaf, param.dim()))
         keyed.update(dict.fromkeys(hits, string))
         if not hits and not params_hit and tp_plan.get(key) != own_plan.get(key):
             found.append(f"{key!r} names no module or parameter of {type(model).__name__}.")
     styles = {}
-    order = {f: i for i, f in enumerate(modules)}
-    for fqn in sorted({*keyed, *own}, key=order.__getitem__):
+    for fqn in [f for f in modules if f in keyed or f in own]:
         where = f"{fqn!r} ({type(modules[fqn]).__name__})"
         style = _module_style(keyed.get(fqn), modules[fqn], own.get(fqn, {}), where, found)
         if style is not None:
@@ -296,18 +270,13 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
         parent = fqn.rpartition(".")[0]
         if string == "moe_identity_expert" and keyed.get(parent) != "moe_tp_experts":
             why = f"is {keyed[parent]!r}" if parent in keyed else "is not in the plan"
-            found.append(f"{generalize(fqn)!r} is 'moe_identity_expert', which hands the "
-                         "identity experts' input on as terms of the sum that 'moe_tp_experts' "
-                         "makes of its experts' outputs; its module "
-                         f"{repr(generalize(parent)) if parent else '(the model)'} {why}. Key it "
-                         "'moe_tp_experts'.")
+            module = repr(generalize(parent)) if parent else "(the model)"
+            found.append(f"{generalize(fqn)!r} is 'moe_identity_expert', which hands the identity "
+                         "experts' input on as terms of the sum that 'moe_tp_experts' makes of its "
+                         f"experts' outputs; its module {module} {why}. Key it 'moe_tp_experts'.")
     if found:
         raise PlanError(list(dict.fromkeys(found)))  # a problem of every layer, once
-    consumers: dict = {}
-    for fqn, string in keyed.items():
-        if string in _CONSUMERS and "." in fqn and fqn not in latents:
-            consumers.setdefault(fqn.rpartition(".")[0], []).append(fqn.rpartition(".")[2])
-    for parent, children in consumers.items():
-        if len(children) > 1 and parent not in styles:
-            styles[parent] = _SHARED
+    parents = [fqn.rpartition(".")[0] for fqn, string in keyed.items()  # of column-wise children
+               if string in _CONSUMERS and "." in fqn and fqn not in latents]
+    styles.update({p: _SHARED for p in parents if parents.count(p) > 1 and p not in styles})
     return plan(_spell(styles, modules))

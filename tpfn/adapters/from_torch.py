@@ -35,13 +35,8 @@ import warnings
 
 from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+    RowwiseParallel, SequenceParallel,
 )
 
 from tpfn import layout
@@ -49,9 +44,7 @@ from tpfn.errors import PlanError
 from tpfn.layout import Replicate, Shard
 from tpfn.plans.plan import Plan, plan
 from tpfn.style.style import Style
-from tpfn.style.constructors import (
-    colwise, identity, prepare_in, prepare_out, rowwise, sequence_parallel,
-)
+from tpfn.style.constructors import colwise, identity, prepare_in, prepare_out, rowwise, sequence_parallel
 
 __all__ = ["from_torch", "style_from_torch", "plan_from_torch"]
 
@@ -112,14 +105,9 @@ def _prepare_input_output(s: PrepareModuleInputOutput) -> Style:
     return _prepare_input(s.prepare_module_input) >> _prepare_output(s.prepare_module_output)
 
 
-_CONVERT = {
-    ColwiseParallel: _colwise,
-    RowwiseParallel: _rowwise,
-    SequenceParallel: _sequence_parallel,
-    PrepareModuleInput: _prepare_input,
-    PrepareModuleOutput: _prepare_output,
-    PrepareModuleInputOutput: _prepare_input_output,
-}
+_CONVERT = {ColwiseParallel: _colwise, RowwiseParallel: _rowwise, SequenceParallel: _sequence_parallel,
+            PrepareModuleInput: _prepare_input, PrepareModuleOutput: _prepare_output,
+            PrepareModuleInputOutput: _prepare_input_output}
 
 
 def _unknown(what: str, value) -> str:
@@ -172,9 +160,8 @@ def from_torch(value: ParallelStyle | dict | Placement | list | tuple | None) ->
     (Partial(op='max'),)
     """
     if value is None:  # parallelize_module(module, mesh) with no plan does nothing, and warns
-        warnings.warn("from_torch(None): no parallelize_plan, so the plan is empty and "
-                      "parallelize leaves the module as it is (as parallelize_module does).",
-                      stacklevel=2)
+        warnings.warn("from_torch(None): no parallelize_plan, so the plan is empty and parallelize "
+                      "leaves the module as it is (as parallelize_module does).", stacklevel=2)
         return plan({})
     if isinstance(value, ParallelStyle):
         return style_from_torch(value)
@@ -182,7 +169,5 @@ def from_torch(value: ParallelStyle | dict | Placement | list | tuple | None) ->
         return plan_from_torch(value)
     if isinstance(value, (Placement, list, tuple)):
         return layout.from_torch(value)
-    raise TypeError(
-        f"from_torch takes a PyTorch ParallelStyle, a parallelize_module plan (dict) or DTensor "
-        f"placements (got {value!r} that is a {type(value)!r})."
-    )
+    raise TypeError(f"from_torch takes a PyTorch ParallelStyle, a parallelize_module plan (dict) or "
+                    f"DTensor placements (got {value!r} that is a {type(value)!r}).")

@@ -34,11 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
 from tpfn._torch import StridedShard
@@ -90,20 +86,21 @@ def _packing(value, layout):
     return None
 
 
+def _on_mesh(local: torch.Tensor, like: DTensor, placements, shape) -> DTensor:
+    """The DTensor of global ``shape`` whose local tensor is ``local``, on ``like``'s mesh."""
+    return DTensor.from_local(local, like.device_mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=contiguous_strides(list(shape)))
+
+
 def _part_views(value, dim: int, sizes: tuple) -> dict:
     """The parts (of ``sizes`` along ``dim``) of a packed DTensor or a plain tensor, as
     views, by their key."""
-    if isinstance(value, DTensor):
-        n = value.device_mesh.size()
-        views = []
-        for size, chunk in zip(sizes, value.to_local().split([s // n for s in sizes], dim)):
-            shape = list(value.shape)
-            shape[dim] = size
-            views.append(DTensor.from_local(chunk, value.device_mesh, [Shard(dim)], run_check=False,
-                                            shape=torch.Size(shape), stride=contiguous_strides(shape)))
-    else:
-        views = value.split(list(sizes), dim)
-    return _keyed(views, dim)
+    if not isinstance(value, DTensor):
+        return _keyed(value.split(list(sizes), dim), dim)
+    n, shape = value.device_mesh.size(), tuple(value.shape)
+    chunks = value.to_local().split([s // n for s in sizes], dim)
+    return _keyed([_on_mesh(chunk, value, [Shard(dim)], shape[:dim] + (size,) + shape[dim + 1:])
+                   for size, chunk in zip(sizes, chunks)], dim)
 
 
 def _keyed(views, dim: int) -> dict:
@@ -162,14 +159,12 @@ def _stored_parts(key: str, index: dict):
 
 
 def _as_stored(tree, metadata: dict, index: dict, later: list, placed: dict, path: tuple = ()):
-    """The state shaped as the checkpoint stores it: parts where it stored parts, the tensor
-    whole where it stored it whole. Where the model's layout cannot be viewed that way (a
-    tensor stored as parts of dim ``d``, loaded sharded along ``d`` without that packing;
-    one stored whole, loaded packed), a full buffer is read instead and ``later`` copies
-    this rank's shard of it into the tensor."""
+    """The state shaped as the checkpoint stores it: as parts, or whole. Where the model's layout
+    has no such view (parts of dim ``d`` loaded sharded along ``d`` without that packing; a whole
+    tensor loaded packed), a full buffer is read instead, and ``later`` copies this rank's shard
+    of it into the tensor."""
     if isinstance(tree, dict):
-        return {k: _as_stored(v, metadata, index, later, placed, path + (k,))
-                for k, v in tree.items()}
+        return {k: _as_stored(v, metadata, index, later, placed, path + (k,)) for k, v in tree.items()}
     if not isinstance(tree, torch.Tensor):
         return tree
     key, layout = ".".join(path), _layout_at(path, placed)
@@ -180,10 +175,10 @@ def _as_stored(tree, metadata: dict, index: dict, later: list, placed: dict, pat
         if dim >= tree.ndim or any(
                 list(s[:dim]) + list(s[dim + 1:]) != shape[:dim] + shape[dim + 1:] for s in sizes) \
                 or sum(s[dim] for s in sizes) != shape[dim]:
-            raise ValueError(
-                f"the checkpoint holds {key!r} as {parts} parts of shapes "
-                f"{[tuple(s) for s in sizes]} (along dim {dim}), which do not make the model's "
-                f"{tuple(shape)}: load it into a model of the architecture that saved it.")
+            raise ValueError(f"the checkpoint holds {key!r} as {parts} parts of shapes "
+                             f"{[tuple(s) for s in sizes]} (along dim {dim}), which do not make the "
+                             f"model's {tuple(shape)}: load it into a model of the architecture that "
+                             "saved it.")
         along = tuple(s[dim] for s in sizes)
         if not isinstance(tree, DTensor):
             return _keyed(tree.split(list(along), dim), dim)
@@ -191,12 +186,8 @@ def _as_stored(tree, metadata: dict, index: dict, later: list, placed: dict, pat
             return _part_views(tree, dim, along)
         if _whole_along(tree, dim):  # replicated, or sharded along another dim
             local = tree.to_local().split(list(along), dim)
-            return _keyed([DTensor.from_local(c, tree.device_mesh, tree.placements,
-                                              run_check=False, shape=torch.Size(s),
-                                              stride=contiguous_strides(list(s)))
-                           for c, s in zip(local, sizes)], dim)
-        buffer = _buffer(tree, later, layout)
-        return _keyed(buffer.split(list(along), dim), dim)
+            return _keyed([_on_mesh(c, tree, tree.placements, s) for c, s in zip(local, sizes)], dim)
+        return _keyed(_buffer(tree, later, layout).split(list(along), dim), dim)
     if _packing(tree, layout) and key in metadata:
         return _buffer(tree, later, layout)
     return tree
@@ -251,8 +242,7 @@ def load(path, model, optimizer=None) -> None:
 
     The model may be parallelized over any number of ranks, in any packing, or not at all.
     When a save was interrupted between its two renames, the previous checkpoint is read.
-    Raises ``ValueError`` naming the tensor when its stored parts do not make the model's.
-    """
+    Raises ``ValueError`` naming the tensor when its stored parts do not make the model's."""
     path = os.fspath(path)
     if not os.path.exists(path) and os.path.exists(path + ".previous"):
         path = path + ".previous"

@@ -31,11 +31,9 @@ def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:
 
 
 def _norm(grads: list, norm_type: float) -> torch.Tensor:
-    """The norm of all the gradients (plain tensors or DTensors on any meshes), on every rank.
-
-    Each gradient's local contribution is added to those of its group (same mesh, same
-    sharded mesh dims); each group is reduced once over its sharded dims.
-    """
+    """The norm of all the gradients (plain tensors or DTensors on any meshes), on every rank:
+    each gradient's local contribution is added to those of its group (same mesh, same sharded
+    mesh dims), and each group is reduced once over its sharded dims."""
     inf = math.isinf(norm_type)
     combine = torch.maximum if inf else torch.add
     groups: dict = {}

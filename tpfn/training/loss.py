@@ -48,8 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     class weights (ones without), ``W`` their sum, ``y`` the target and ``eps`` the label
     smoothing over ``C`` classes, the loss of a token is
     ``(1 - eps) w_y (lse - s_y) + eps / C (W lse - sum_c w_c s_c)``, as ``F.cross_entropy``
-    computes it, and its gradient is ``(1 - eps) w_y (p - onehot_y) + eps / C (W p - w)``.
-    """
+    computes it, and its gradient is ``(1 - eps) w_y (p - onehot_y) + eps / C (W p - w)``."""
 
     @staticmethod
     def forward(ctx, x, target, weight, offset, n_classes, ignore_index, eps, mesh):
@@ -98,11 +97,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     ``input`` is a DTensor sharded on its class dim (dim 1, or 0 for one sample: the output
     of a column-wise head kept as a DTensor, ``colwise(local=False)``), or a local tensor with
     ``mesh`` given. ``target`` holds class indices, replicated. The other arguments are
-    ``F.cross_entropy``'s: class ``weight`` (the whole vector), ``ignore_index``,
-    ``reduction`` (``"mean"``, ``"sum"``, ``"none"``), ``label_smoothing``. Returns a plain
-    tensor, the same on every rank. Forward: two all-reduces of per-token statistics;
-    backward: none.
-    """
+    ``F.cross_entropy``'s: class ``weight`` (the whole vector), ``ignore_index``, ``reduction``
+    (``"mean"``, ``"sum"``, ``"none"``), ``label_smoothing``. Returns a plain tensor, the same on
+    every rank. Forward: two all-reduces of per-token statistics; backward: none."""
     if size_average is not None or reduce is not None:
         raise TypeError("cross_entropy: size_average and reduce are deprecated in torch; use reduction=.")
     if reduction not in ("mean", "sum", "none"):
@@ -119,8 +116,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
             raise ValueError(
                 f"cross_entropy: logits must be sharded on their class dim {class_dim}, like "
                 f"F.cross_entropy's input; got {layout}. End the head with colwise(local=False), "
-                "and move the classes to dim 1 (logits.flatten(0, -2) for (batch, seq, vocab))."
-            )
+                "and move the classes to dim 1 (logits.flatten(0, -2) for (batch, seq, vocab)).")
         mesh, n_classes, x = input.device_mesh, input.shape[class_dim], input.to_local()
     elif mesh is None:
         raise TypeError("cross_entropy: give the sharded logits as a DTensor, or a local tensor with mesh=.")
@@ -135,11 +131,10 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
                  f"cross_entropy: a target lies outside the {n_classes} classes (and is not "
                  f"ignore_index={ignore_index})")
     x = x.movedim(class_dim, -1)
-    shape = x.shape[:-1]
     offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())
     losses = _VocabParallelCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, offset, n_classes,
-        ignore_index, float(label_smoothing), mesh).reshape(shape)
+        ignore_index, float(label_smoothing), mesh).reshape(x.shape[:-1])
     if reduction == "none":
         return losses
     if reduction == "sum":

@@ -1,34 +1,29 @@
 """Hugging Face checkpoints, shard by shard: each rank reads only its slices.
 
-``load_pretrained(model, path)`` fills a model that is already parallelized (its parameters
-DTensors over a 1-D mesh, usually still on the meta device) from a Hugging Face checkpoint
-directory: one ``model.safetensors``, or shards named by ``model.safetensors.index.json``.
-Each rank reads, through ``safetensors.safe_open(...).get_slice``, only the part of each
-tensor it holds: its ``torch.chunk`` range of dim ``d`` for ``Shard(d)``; its chunk of every
-part for a packed ``Shard(d, parts=k)`` (``colwise(parts=2)``) or ``parts=(q, k, v)``; its
-group's heads for KV heads replicated over more ranks than heads (``colwise(heads=h)``); the
-whole tensor for ``Replicate()`` and for plain tensors. Values are converted to the parameter's dtype (or
-``dtype=``) on the way in.
+``load_pretrained(model, path)`` fills a parallelized model (DTensor parameters over a 1-D
+mesh, usually still on meta) from a Hugging Face checkpoint directory: one
+``model.safetensors``, or the shards ``model.safetensors.index.json`` names. Through
+``safetensors.safe_open(...).get_slice`` each rank reads only what it holds: its
+``torch.chunk`` range of dim ``d`` for ``Shard(d)``; its chunk of every part for a packed
+``Shard(d, parts=k)`` (``colwise(parts=2)``) or ``parts=(q, k, v)``; its group's heads for KV
+heads replicated over more ranks than heads (``colwise(heads=h)``); the whole tensor for
+``Replicate()`` and plain tensors; converted to the parameter's dtype (or ``dtype=``).
 
 Parameters are filled in place (``torch.utils.swap_tensors``, as ``Module.to_empty`` does):
-tied parameters stay one object, filled once, and the hooks ``parallelize`` put on them
-(the partial gradients of replicated per-head norms) keep working. Buffers are taken from
-the checkpoint when it holds them; the non-persistent ones (rotary ``inv_freq``) never are,
-so they must be real: build the model inside ``empty_weights()`` (parameters on meta,
-buffers computed by ``__init__``, as transformers computes them) or on a real device.
+tied parameters stay one object, filled once, and the hooks ``parallelize`` put on them (the
+partial gradients of replicated per-head norms) keep working. Buffers are taken from the
+checkpoint when it holds them; non-persistent ones (rotary ``inv_freq``) never are, so they
+must be real: build the model inside ``empty_weights()`` or on a real device.
 
-Everything is checked before anything changes, on every rank alike (the ranks exchange
-what they found, so all raise the same ``CheckpointError``): a missing key, an unexpected
-one (``strict=False`` accepts those), a shape or dtype that does not fit, a file that is
-truncated or corrupt, a checkpoint of another model, a meta buffer with nothing to fill it.
-Then every slice is read, and only when all are read are they swapped in: nothing is ever
-half-loaded, and no parameter or buffer is left on the meta device.
+Everything is checked before anything changes, on every rank alike (the ranks exchange what
+they found, so all raise the same ``CheckpointError``): a missing key, an unexpected one
+(``strict=False`` accepts those), a shape or dtype that does not fit, a truncated or corrupt
+file, a checkpoint of another model, a meta buffer with nothing to fill it. Then every slice
+is read, and only then swapped in: nothing is ever half-loaded or left on the meta device.
 
-``save_pretrained(model, path)`` is the reverse: it gathers one tensor at a time and rank 0
-writes safetensors shards, their index and the model's config, which
-``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads on one device, bit for
-bit. ``from_pretrained(path, mesh)`` builds the model from the checkpoint's config on meta,
-parallelizes it with its own ``tp_plan`` (``from_hf``) or ``plan=``, and loads it.
+``save_pretrained(model, path)`` is the reverse (gathered one tensor at a time, written by
+rank 0), which transformers loads on one device, bit for bit; ``from_pretrained(path, mesh)``
+builds the model on meta, parallelizes it with its own ``tp_plan`` (or ``plan=``), loads it.
 """
 
 from __future__ import annotations
@@ -65,15 +60,10 @@ _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _CAP = 20  # problems listed per kind; the rest are counted
 
 _DTYPES = {code: getattr(torch, name) for code, name in {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64", "C128": "complex128",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64",
-    "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool"}.items()
-    if hasattr(torch, name)}
-
-
-# ---------------------------------------------------------------------------------------------
-# empty_weights
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "C64": "complex64", "C128": "complex128", "BOOL": "bool",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8"}.items() if hasattr(torch, name)}
 
 
 @contextlib.contextmanager
@@ -106,26 +96,19 @@ def empty_weights() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-# ---------------------------------------------------------------------------------------------
-# the checkpoint's side: files, keys, shapes, dtypes (headers only)
-
+# -- the checkpoint's side: files, keys, shapes, dtypes (headers only) ----------------------
 
 class _Checkpoint:
     """The headers of a checkpoint: for each key, its file, shape and dtype code."""
 
     def __init__(self, path):
         path = os.fspath(path)
-        self.files: list = []
-        self.where: dict = {}
-        self.shapes: dict = {}
-        self.codes: dict = {}
-        self.config: dict | None = None
-        self.problems: list = []
+        self.files, self.problems, self.config = [], [], None
+        self.where, self.shapes, self.codes = {}, {}, {}  # by key: its file, shape, dtype code
         if os.path.isfile(path):
             directory, self.files = os.path.dirname(path), [path]
         elif os.path.isfile(os.path.join(path, INDEX)):
-            directory, index = path, os.path.join(path, INDEX)
-            weight_map = self._weight_map(index)
+            directory, weight_map = path, self._weight_map(os.path.join(path, INDEX))
             if weight_map is None:
                 return
             self.files = sorted({os.path.join(path, f) for f in weight_map.values()})
@@ -146,10 +129,10 @@ class _Checkpoint:
         for file in self.files:
             self._header(file)
         for key, file in getattr(self, "listed", {}).items():
-            if os.path.isfile(file) and self.where.get(key) != file and not self._unreadable(file):
-                self.problems.append(
-                    f"{INDEX} lists {key!r} in {file}, which does not hold it: the checkpoint "
-                    "is incomplete; download or save it again.")
+            unreadable = any(file in p for p in self.problems)
+            if os.path.isfile(file) and self.where.get(key) != file and not unreadable:
+                self.problems.append(f"{INDEX} lists {key!r} in {file}, which does not hold it: the "
+                                     "checkpoint is incomplete; download or save it again.")
 
     def _weight_map(self, index: str):
         try:
@@ -162,9 +145,6 @@ class _Checkpoint:
             self.problems.append(f"cannot read the index {index}: {e!r}; it is truncated or "
                                  "corrupt: download or save the checkpoint again.")
             return None
-
-    def _unreadable(self, file: str) -> bool:
-        return any(file in p for p in self.problems)
 
     def _header(self, file: str) -> None:
         from safetensors import safe_open
@@ -185,16 +165,13 @@ class _Checkpoint:
                                  "download or save it again.")
 
 
-# ---------------------------------------------------------------------------------------------
-# the model's side: one entry per tensor object, with every name it goes by
-
+# -- the model's side: one entry per tensor object, with every name it goes by --------------
 
 class _Target:
     def __init__(self, tensor, kind: str):
         self.tensor, self.kind = tensor, kind
         self.layout = None  # the tpfn layout a plan gave it (None: as its placements say)
-        self.names: list = []
-        self.slots: list = []  # (module, attribute name)
+        self.names, self.slots = [], []  # every name it goes by; (module, attribute name) of each
         self.persistent = False
 
     @property
@@ -224,32 +201,46 @@ def _targets(model: nn.Module) -> list:
 
 
 def _mesh_group(targets: list):
-    for t in targets:
-        if isinstance(t.tensor, DTensor) and t.tensor.device_mesh.ndim == 1:
-            return t.tensor.device_mesh
-    return None
+    return next((t.tensor.device_mesh for t in targets
+                 if isinstance(t.tensor, DTensor) and t.tensor.device_mesh.ndim == 1), None)
 
 
-def _agree(problems: list, mesh) -> list:
-    """Every rank's problems, on every rank (so all raise alike); alone, one's own."""
-    if mesh is None or mesh.size() == 1 or not dist.is_initialized():
-        return problems
-    gathered = [None] * mesh.size()
-    dist.all_gather_object(gathered, problems, group=mesh.get_group())
-    merged: list = []
-    for rank_problems in gathered:
-        merged += [p for p in rank_problems if p not in merged]
-    return merged
+def _refuse(problems: list, mesh) -> None:
+    """Raise a ``CheckpointError`` of every rank's problems, if any, on every rank alike
+    (alone: of one's own)."""
+    if mesh is not None and mesh.size() > 1 and dist.is_initialized():
+        gathered = [None] * mesh.size()
+        dist.all_gather_object(gathered, problems, group=mesh.get_group())
+        problems = []
+        for rank_problems in gathered:
+            problems += [p for p in rank_problems if p not in problems]
+    if problems:
+        raise CheckpointError(problems)
 
 
 def _capped(lines: list, what: str) -> list:
-    if len(lines) <= _CAP:
-        return lines
-    return lines[:_CAP] + [f"... and {len(lines) - _CAP} more {what}"]
+    more = len(lines) - _CAP
+    return lines if more <= 0 else lines[:_CAP] + [f"... and {more} more {what}"]
 
 
 def _convertible(stored: torch.dtype, wanted: torch.dtype) -> bool:
     return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
+
+
+def _misfit(ckpt: _Checkpoint, source: str, expected: tuple, wanted, whose: str) -> str | None:
+    """Why the checkpoint's ``source`` cannot fill ``whose`` (of shape ``expected``, dtype
+    ``wanted``), or None."""
+    file, shape, code = ckpt.where[source], ckpt.shapes[source], ckpt.codes[source]
+    if shape != expected:
+        return (f"{source!r} in {file} has shape {shape}, but the model's {whose} is {expected}: "
+                "load the checkpoint of this model (same architecture and sizes).")
+    stored = _DTYPES.get(code)
+    if stored is None or not _convertible(stored, wanted):
+        return (f"{source!r} in {file} is stored as {code} ({stored or 'unknown to torch'}), which "
+                f"does not convert to the model's {wanted} without changing its values: load a "
+                "checkpoint that stores it as a floating-point tensor, or build the model with "
+                "this dtype.")
+    return None
 
 
 def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tuple:
@@ -257,9 +248,8 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
     problems, missing, plan = list(ckpt.problems), [], []
     if ckpt.problems:  # unreadable files: their keys would all look missing
         return plan, problems
-    config = getattr(model, "config", None)
     theirs = (ckpt.config or {}).get("model_type")
-    ours = getattr(config, "model_type", None)
+    ours = getattr(getattr(model, "config", None), "model_type", None)
     if theirs and ours and theirs != ours:
         problems.append(f"the checkpoint's config.json ({os.path.dirname(ckpt.files[0])}) is a "
                         f"{theirs!r} model and this model is {ours!r}: this is a checkpoint of "
@@ -291,49 +281,23 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
                                f"{target.kind} would be left unwritten).")
             elif target.meta:
                 problems.append(
-                    f"buffer {target.names[0]!r} is on the meta device and not in "
-                    f"{_files(ckpt)} (a non-persistent buffer: its module's __init__ computes "
-                    "it); build the model inside tpfn.training.pretrained.empty_weights() "
-                    "(parameters on meta, buffers computed), or on a real device.")
+                    f"buffer {target.names[0]!r} is on the meta device and not in {_files(ckpt)} (a "
+                    "non-persistent buffer: its module's __init__ computes it); build the model inside "
+                    "tpfn.training.pretrained.empty_weights() (parameters on meta, buffers computed), "
+                    "or on a real device.")
             continue
         wanted = dtype if dtype is not None and t.is_floating_point() else t.dtype
         sources = key.sources(tuple(t.shape)) if isinstance(key, _Experts) else \
             [(key, tuple(t.shape))]
-        bad = False
-        for source, expected in sources:
-            file = ckpt.where[source]
-            shape, code = ckpt.shapes[source], ckpt.codes[source]
-            if shape != expected:
-                whose = f"{target.kind}{tied}" if source == key else \
-                    f"{target.kind} {target.names[0]!r} {tuple(t.shape)} needs one expert's part of"
-                problems.append(f"{source!r} in {file} has shape {shape}, but the model's "
-                                f"{whose} is {expected}: load the checkpoint of this model (same "
-                                "architecture and sizes).")
-                bad = True
-                break
-            stored = _DTYPES.get(code)
-            if stored is None or not _convertible(stored, wanted):
-                problems.append(
-                    f"{source!r} in {file} is stored as {code} ({stored or 'unknown to torch'}), "
-                    f"which does not convert to the model's {wanted} without changing its "
-                    "values: load a checkpoint that stores it as a floating-point tensor, or "
-                    "build the model with this dtype.")
-                bad = True
-                break
-        if bad:
+        whose = f"{target.kind}{tied}" if not isinstance(key, _Experts) else \
+            f"{target.kind} {target.names[0]!r} {tuple(t.shape)} needs one expert's part of"
+        misfit = next(filter(None, (_misfit(ckpt, s, e, wanted, whose) for s, e in sources)), None)
+        if misfit:
+            problems.append(misfit)
             continue
-        file = ckpt.where[sources[0][0]]
-        if isinstance(t, DTensor):
-            placement = _layout(target)
-            if placement is None or isinstance(placement, Partial):
-                problems.append(
-                    f"{target.kind} {target.names[0]!r} ({key!r} in {file}) is laid out "
-                    f"{t.placements} on a {t.device_mesh.ndim}-D mesh; load_pretrained fills "
-                    "Shard and Replicate DTensors on the 1-D tensor-parallel mesh: load before "
-                    "fully_shard, right after parallelize.")
-                continue
-        reason = _unswappable(target)
+        reason = _unfillable(target)
         if reason:
+            file = ckpt.where[sources[0][0]]
             problems.append(f"{target.kind} {target.names[0]!r} ({key!r} in {file}) {reason}")
             continue
         plan.append((target, key, wanted))
@@ -346,13 +310,12 @@ def _check(model, targets: list, ckpt: _Checkpoint, strict: bool, dtype) -> tupl
     if any(".experts.0." in k for k in unexpected) and any(".experts." in m for m in missing):
         example = next(k for k in unexpected if ".experts.0." in k)
         problems.append(
-            f"the checkpoint stores the experts one by one ({example!r} in "
-            f"{ckpt.where[example]}), as transformers saves mixtures of experts, and the model "
-            "holds them fused (3-D 'experts.gate_up_proj'), but under names load_pretrained "
-            "does not know how to fuse (it knows Mixtral's experts.E.w1/w3/w2 and "
-            "Qwen2-MoE's experts.E.gate_proj/up_proj/down_proj): convert it once "
-            "(transformers' from_pretrained, then tpfn.training.pretrained.save_pretrained "
-            "writes the fused layout).")
+            f"the checkpoint stores the experts one by one ({example!r} in {ckpt.where[example]}), "
+            "as transformers saves mixtures of experts, and the model holds them fused (3-D "
+            "'experts.gate_up_proj'), but under names load_pretrained does not know how to fuse "
+            "(it knows Mixtral's experts.E.w1/w3/w2 and Qwen2-MoE's "
+            "experts.E.gate_proj/up_proj/down_proj): convert it once (transformers' "
+            "from_pretrained, then tpfn.training.pretrained.save_pretrained writes the fused layout).")
     return plan, problems
 
 
@@ -409,10 +372,17 @@ def _files(ckpt: _Checkpoint) -> str:
         f"the {len(ckpt.files)} files of {os.path.join(os.path.dirname(ckpt.files[0]), INDEX)}"
 
 
-def _unswappable(target) -> str | None:
+def _unfillable(target) -> str | None:
+    """Why ``target`` cannot be filled (the end of a sentence about it), or None."""
+    t = target.tensor
+    if isinstance(t, DTensor):
+        placement = _layout(target)
+        if placement is None or isinstance(placement, Partial):
+            return (f"is laid out {t.placements} on a {t.device_mesh.ndim}-D mesh; load_pretrained "
+                    "fills Shard and Replicate DTensors on the 1-D tensor-parallel mesh: load before "
+                    "fully_shard, right after parallelize.")
     if target.kind != "parameter":
         return None
-    t = target.tensor
     if weakref.getweakrefs(t):
         return "is weakly referenced, so it cannot be filled in place; load before anything " \
                "keeps a weak reference to it."
@@ -422,19 +392,15 @@ def _unswappable(target) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# reading this rank's slice
-
+# -- reading this rank's slice --------------------------------------------------------------
 
 def _layout(target: _Target):
     """The tpfn placement of a target on the 1-D tensor-parallel mesh (None: a DTensor on
     another mesh, which load_pretrained does not fill), or None for a plain tensor."""
     t = target.tensor
-    if target.layout is not None:
-        return target.layout
-    if isinstance(t, DTensor) and t.device_mesh.ndim == 1:
+    if target.layout is None and isinstance(t, DTensor) and t.device_mesh.ndim == 1:
         return from_torch(t.placements)[0]
-    return None
+    return target.layout
 
 
 def _dim_ranges(target: _Target) -> list:
@@ -453,18 +419,16 @@ def _dim_ranges(target: _Target) -> list:
 
 
 def _read(handle, key: str, target: _Target, dtype) -> torch.Tensor:
-    t = target.tensor
-    piece = handle.get_slice(key)
+    t, piece = target.tensor, handle(key).get_slice(key)
     ranges = _dim_ranges(target)
     sharded = [d for d, r in enumerate(ranges) if r != [(0, t.shape[d])]]
     if not sharded:  # Replicate(), or a plain tensor: whole
-        return _placed(handle.get_tensor(key), key, target, dtype)
+        return _placed(handle(key).get_tensor(key), key, target, dtype)
     dim, pieces = sharded[0], []
     for start, stop in ranges[dim]:
         if stop <= start:
-            shape = list(t.shape)
-            shape[dim] = 0
-            pieces.append(torch.empty(shape, dtype=_DTYPES[piece.get_dtype()]))
+            empty = t.shape[:dim] + (0,) + t.shape[dim + 1:]
+            pieces.append(torch.empty(empty, dtype=_DTYPES[piece.get_dtype()]))
         else:
             pieces.append(piece[tuple(slice(start, stop) if d == dim else slice(None)
                                       for d in range(t.ndim))])
@@ -478,7 +442,7 @@ def _read_experts(handle, experts: _Experts, target: _Target, dtype) -> torch.Te
     t = target.tensor
     on_experts, on_rows, on_cols = _dim_ranges(target)
     rows_per_part = t.shape[1] // len(experts.parts[0])
-    blocks = []
+    width, blocks = sum(b - a for a, b in on_cols), []
     for e in (e for start, stop in on_experts for e in range(start, stop)):
         rows = []
         for start, stop in on_rows:
@@ -490,13 +454,9 @@ def _read_experts(handle, experts: _Experts, target: _Target, dtype) -> torch.Te
                 cols = [piece[lo - i * rows_per_part:hi - i * rows_per_part, a:b]
                         for a, b in on_cols if b > a]
                 rows.append(cols[0] if len(cols) == 1 else torch.cat(cols, 1))
-        width = sum(b - a for a, b in on_cols)
         blocks.append(torch.cat(rows, 0) if rows else torch.empty(0, width, dtype=dtype))
-    if blocks:
-        value = torch.stack([b.to(dtype) for b in blocks])
-    else:
-        value = torch.empty(0, sum(b - a for a, b in on_rows), sum(b - a for a, b in on_cols),
-                            dtype=dtype)
+    value = torch.stack([b.to(dtype) for b in blocks]) if blocks else \
+        torch.empty(0, sum(b - a for a, b in on_rows), width, dtype=dtype)
     return _placed(value, repr(experts), target, dtype)
 
 
@@ -505,8 +465,7 @@ def _placed(value: torch.Tensor, key: str, target: _Target, dtype) -> torch.Tens
     expected = tuple((local_tensor(t) if isinstance(t, DTensor) else t).shape)
     if tuple(value.shape) != expected:  # tpfn's arithmetic against DTensor's: a bug
         raise RuntimeError(f"tpfn read {tuple(value.shape)} of {key!r} for this rank, but its "
-                           f"{getattr(t, 'placements', 'plain')} shard is {expected}: please "
-                           "report this.")
+                           f"{getattr(t, 'placements', 'plain')} shard is {expected}: please report this.")
     device = (local_tensor(t) if isinstance(t, DTensor) else t).device
     if device.type == "meta":  # where the mesh computes (a plain meta tensor: the CPU)
         kind = t.device_mesh.device_type if isinstance(t, DTensor) else "cpu"
@@ -558,9 +517,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     targets = _targets(model)
     mesh = _mesh_group(targets)
     plan, problems = _check(model, targets, ckpt, strict, dtype)
-    problems = _agree(problems, mesh)
-    if problems:
-        raise CheckpointError(problems)
+    _refuse(problems, mesh)
     values, failed = [], []
     with contextlib.ExitStack() as stack:
         handles: dict = {}
@@ -571,21 +528,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
             return handles[file]
 
         for target, key, wanted in plan:
-            file = ckpt.where[key.keys()[0] if isinstance(key, _Experts) else key]
+            experts = isinstance(key, _Experts)
+            file = ckpt.where[key.keys()[0] if experts else key]
             try:
-                if isinstance(key, _Experts):
-                    values.append(_read_experts(handle, key, target, wanted))
-                else:
-                    values.append(_read(handle(key), key, target, wanted))
+                values.append((_read_experts if experts else _read)(handle, key, target, wanted))
             except RuntimeError:
                 raise
             except Exception as e:  # noqa: BLE001 - a read that fails after the headers did not
                 failed.append(f"cannot read {key!r} from {file}: {e}; the file is truncated or "
                               "corrupt: download or save it again.")
                 break
-    failed = _agree(failed, mesh)
-    if failed:
-        raise CheckpointError(failed)
+    _refuse(failed, mesh)
     with torch.no_grad():
         for (target, _, _), value in zip(plan, values):
             _fill(target, value)
@@ -595,9 +548,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     return model
 
 
-# ---------------------------------------------------------------------------------------------
-# saving
-
+# -- saving ---------------------------------------------------------------------------------
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -612,10 +563,6 @@ def _bytes(size) -> int:
         raise ValueError(f"max_shard_size must be a number of bytes or a size such as '20KB', "
                          f"'5GB' or '2GiB' (got {size!r}).")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
@@ -640,27 +587,25 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     from safetensors.torch import save_file
 
     limit = _bytes(max_shard_size)
-    entries, layout = [], {}
-    for target in _targets(model):
-        if not target.persistent:
-            continue
-        layout[id(target.tensor)] = target.layout
+    entries = []  # (name, tensor, its tpfn layout, bytes)
+    for target in (target for target in _targets(model) if target.persistent):
         if target.meta:
             raise ValueError(f"{target.kind} {target.names[0]!r} is on the meta device: there is "
                              "nothing to save; load the model's weights first.")
         t = target.tensor
-        entries.append((target.names[0], t, t.numel() * t.element_size()))
+        entries.append((target.names[0], t, target.layout, t.numel() * t.element_size()))
     shards, size = [[]], 0
     for entry in entries:
-        if shards[-1] and size + entry[2] > limit:
+        if shards[-1] and size + entry[3] > limit:
             shards.append([])
             size = 0
         shards[-1].append(entry)
-        size += entry[2]
+        size += entry[3]
     n = len(shards)
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     path = os.fspath(path)
-    writer = _rank() == 0
+    distributed = dist.is_available() and dist.is_initialized()
+    writer = not distributed or dist.get_rank() == 0
     if writer:
         os.makedirs(path, exist_ok=True)
         for old in os.listdir(path):
@@ -670,8 +615,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     with torch.no_grad():
         for name, shard in zip(names, shards):
             tensors = {}
-            for key, t, _ in shard:
-                full = full_value(t, layout[id(t)])
+            for key, t, layout, _ in shard:
+                full = full_value(t, layout)
                 if writer:
                     tensors[key] = full.detach().to("cpu", copy=True).contiguous()
                     weight_map[key] = name
@@ -683,28 +628,24 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
             del tensors
     if writer:
         if n > 1:
-            total = sum(e[2] for e in entries)
+            index = {"metadata": {"total_size": sum(e[3] for e in entries)}, "weight_map": weight_map}
             with open(os.path.join(path, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
-                          indent=2, sort_keys=True)
+                json.dump(index, f, indent=2, sort_keys=True)
         config = getattr(model, "config", None)
         if hasattr(config, "save_pretrained"):
             config = copy.deepcopy(config)
             config.architectures = [type(model).__name__]
-            floating = next((t.dtype for _, t, _ in entries if t.is_floating_point()), None)
+            floating = next((t.dtype for _, t, _, _ in entries if t.is_floating_point()), None)
             if floating is not None and hasattr(config, "dtype"):
                 config.dtype = floating  # what the files hold, as transformers records it
             config.save_pretrained(path)
-        generation = getattr(model, "generation_config", None)
-        if hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(path)
-    if dist.is_available() and dist.is_initialized():
+        if hasattr(getattr(model, "generation_config", None), "save_pretrained"):
+            model.generation_config.save_pretrained(path)
+    if distributed:
         dist.barrier()
 
 
-# ---------------------------------------------------------------------------------------------
-# the one call
-
+# -- the one call ---------------------------------------------------------------------------
 
 def _build(config, model_class, dtype):
     import transformers
@@ -761,7 +702,5 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     with empty_weights():
         model = _build(config, model_class, dtype)
     model.eval()
-    if plan is None:
-        plan = from_hf(model.tp_plan, model)
-    parallelize(model, mesh, plan, src_rank=None)
+    parallelize(model, mesh, from_hf(model.tp_plan, model) if plan is None else plan, src_rank=None)
     return load_pretrained(model, path)
