@@ -35,7 +35,7 @@ GROUPS = (  # (label, predicate on (file, line, function)); first match wins; se
      lambda f, n: f.endswith("tpfn/interpret/parallelize.py")),
     ("convert / prepare_inputs / prepare_outputs / global_shape (prepare.py)",
      lambda f, n: f.endswith("tpfn/interpret/prepare.py")),
-    ("param views: local_params, _view, _View and _BiasOnce fwd/bwd (moves.py)",
+    ("param views: local_params, _view, _View fwd/bwd (moves.py)",
      lambda f, n: f.endswith("tpfn/interpret/moves.py") and n in ("local_params", "_view")),
     ("moves: move, _Move, _Step, _steps, placements (moves.py, collectives.py)",
      lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/interpret/collectives.py"))),
@@ -67,12 +67,12 @@ def _group(file: str, line: int, name: str) -> str:
 
 
 def _view_lines() -> tuple:
-    """The lines of moves.py from _BiasOnce to vocab_mask: the parameter views."""
+    """The lines of moves.py from _View to vocab_mask: the parameter views."""
     import inspect
 
     from tpfn.interpret import moves
 
-    return (inspect.getsourcelines(moves._BiasOnce)[1], inspect.getsourcelines(moves.vocab_mask)[1])
+    return (inspect.getsourcelines(moves._View)[1], inspect.getsourcelines(moves.vocab_mask)[1])
 
 
 _VIEWS = _view_lines()

@@ -55,8 +55,8 @@ def _llama(sp: bool):
 
     seq = Shard(1) if sp else Replicate()
     layer = "model.layers.*."
-    # With sequence parallelism the residual stream stays in DTensors: Llama computes its
-    # positions and mask from the embeddings' sequence length, which must be the global one.
+    # PyTorch's plan keeps the residual stream in DTensors under sequence parallelism: Llama
+    # computes its positions and mask from the embeddings' sequence length, the global one.
     native = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
                                               use_local_output=not sp),
@@ -76,19 +76,34 @@ def _llama(sp: bool):
                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             layer + "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         })
-        # The same, with one local replica shared by q, k, v (and by gate, up): their partial
-        # input gradients are summed, then reduced once, without DTensors in between.
-        shared = {
-            layer + "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
-            layer + "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                              use_local_output=True),
-        }
-        recommended = tpfn.from_torch({**native, **shared})
-    else:
-        recommended = None  # from_hf(model.tp_plan, model), built with the model
+    # tpfn's own plan keeps the residual stream local: the embeddings' output is replicated,
+    # so Llama computes its positions and mask from the whole sequence, and the first layer
+    # takes its slice of it (backward: one all-gather, as the reduce-scatter's would be).
+    recommended = _llama_sp_plan(layer) if sp else None  # else from_hf(model.tp_plan, model)
     return build, native, recommended
+
+
+def _llama_sp_plan(layer: str) -> dict:
+    """tpfn's sequence-parallel plan for HF Llama: the residual stream and the norms on local
+    slices of the sequence, attention's and the MLP's input gathered once (q, k, v and
+    gate, up share it), their outputs reduce-scattered."""
+    from tpfn import Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
+
+    return {
+        "model.embed_tokens": rowwise(),
+        "model.layers.0": prepare_in(Replicate(), desired=Shard(1), local=True),
+        layer + "input_layernorm": sequence_parallel(local=True),
+        layer + "post_attention_layernorm": sequence_parallel(local=True),
+        layer + "self_attn": prepare_in(kwargs={"hidden_states": (Shard(1), Replicate())}, local=True),
+        layer + "self_attn.[qkv]_proj": colwise(),
+        layer + "self_attn.o_proj": rowwise() >> prepare_out(Shard(1)),
+        layer + "mlp": prepare_in(Shard(1), desired=Replicate(), local=True),
+        layer + "mlp.gate_proj": colwise(),
+        layer + "mlp.up_proj": colwise(),
+        layer + "mlp.down_proj": rowwise() >> prepare_out(Shard(1)),
+        "model.norm": sequence_parallel(local=True),
+        "lm_head": prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate()),
+    }
 
 
 VARIANTS = ("native", "tpfn, same plan", "tpfn, recommended plan", "tpfn, no overlap",
