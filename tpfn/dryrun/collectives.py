@@ -10,11 +10,9 @@ counts by op: ``c10d_functional.all_reduce``, ``c10d.allreduce_``, ...), ``count
 >>> kind(torch.ops.aten.mm) is None
 True
 
-``record(module)`` is a context manager that yields a list; every collective dispatched
-while inside is appended as a ``tpfn.report.Comm``: the innermost submodule running it,
-forward or backward, its kind, the size of the whole tensor it assembles or reduces, the
-group size and the element size. The same measurement serves a dry run on a fake process
-group (``tpfn.explain``) and a real run, so the two can be compared entry by entry.
+``record(module)`` is a context manager that yields a list, to which every collective dispatched
+inside is appended as a ``tpfn.report.Comm``. The same measurement serves a dry run on a fake
+process group (``tpfn.explain``) and a real run, so the two can be compared entry by entry.
 
 A forward collective belongs to the module whose forward (or forward hooks) is running.
 A backward collective belongs to the module that created the autograd node running it:
@@ -43,13 +41,10 @@ _KINDS = {
     "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "allgather_",
                    "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_"),
     "all_reduce": ("all_reduce", "all_reduce_coalesced", "allreduce_", "allreduce_coalesced_"),
-    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced",
-                       "reduce_scatter_", "_reduce_scatter_base_",
-                       "reduce_scatter_tensor_coalesced_"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "reduce_scatter_",
+                       "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"),
     "all_to_all": ("all_to_all_single", "alltoall_", "alltoall_base_"),
-    "broadcast": ("broadcast", "broadcast_"),
-    "scatter": ("scatter_",),
-    "gather": ("gather_",),
+    "broadcast": ("broadcast", "broadcast_"), "scatter": ("scatter_",), "gather": ("gather_",),
     "reduce": ("reduce_",),
 }
 _BY_NAME = {name: k for k, names in _KINDS.items() for name in names}
@@ -68,7 +63,6 @@ def counts(mode) -> dict:
     for op, n in mode.get_comm_counts().items():
         total[kind(op) or str(op)] += n
     return dict(total)
-
 
 
 _PROBE = torch.zeros((), requires_grad=True)
@@ -113,15 +107,13 @@ class _Recorder(TorchDispatchMode):
     def enter(self, fqn):
         self.open.append((fqn, _sequence_nr()))
 
-    def leave(self, fqn):
+    def leave(self):
         fqn, first = self.open.pop()
         if first is not None:
             self.spans.append((first, _sequence_nr(), fqn))
 
-    def _creator(self, seq):
-        if seq is None:  # a callback at the end of the backward
-            return None
-        inside = [s for s in self.spans if s[0] <= seq < s[1]]
+    def _creator(self, seq):  # seq None: a callback at the end of the backward
+        inside = [s for s in self.spans if seq is not None and s[0] <= seq < s[1]]
         return max(inside)[2] if inside else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -177,10 +169,8 @@ def record(module: nn.Module, *, nodes: list | None = None):
     recorder = _Recorder(nodes)
     handles = []
     for fqn, sub in module.named_modules():
-        handles.append(sub.register_forward_pre_hook(
-            lambda m, args, fqn=fqn: recorder.enter(fqn), prepend=True))
-        handles.append(sub.register_forward_hook(
-            lambda m, args, out, fqn=fqn: recorder.leave(fqn), always_call=True))
+        handles += [sub.register_forward_pre_hook(lambda *_, fqn=fqn: recorder.enter(fqn), prepend=True),
+                    sub.register_forward_hook(lambda *_: recorder.leave(), always_call=True)]
     try:
         with recorder:
             yield recorder.comms

@@ -16,9 +16,8 @@ from html import escape
 
 import sympy
 
-from tpfn._fqn import generalize
 from tpfn.dryrun import figures
-from tpfn.dryrun.units import fmt_bytes, summary
+from tpfn.dryrun.units import fmt_bytes, fmt_pct, fmt_ratio, grouped, summary
 
 __all__ = ["comparison", "difference"]
 
@@ -45,32 +44,28 @@ def _counts(report, phase: str) -> str:
 def _ratio(report):
     if report.megatron is None or not report.megatron_bytes:
         return None
-    return sympy.simplify(report.blocks_bytes / report.megatron_bytes)
+    return report.blocks_bytes / report.megatron_bytes
 
 
 def _totals(a, b) -> str:
     ha, hb = figures.held(a)[0], figures.held(b)[0]
     sa, sb = figures.sharded(a), figures.sharded(b)
+    sizes = lambda label, x, y: (label, fmt_bytes(x), fmt_bytes(y), difference(x, y))  # noqa: E731
     rows = [
-        ("collectives, forward", _counts(a, "forward"), _counts(b, "forward"),
-         _count_diff(a, b, "forward")),
-        ("collectives, backward", _counts(a, "backward"), _counts(b, "backward"),
-         _count_diff(a, b, "backward")),
-        *((f"bytes sent per rank, {phase}", fmt_bytes(a.phase_bytes(phase)),
-           fmt_bytes(b.phase_bytes(phase)), difference(a.phase_bytes(phase), b.phase_bytes(phase)))
+        *((f"collectives, {phase}", _counts(a, phase), _counts(b, phase), _count_diff(a, b, phase))
           for phase in ("forward", "backward")),
-        ("bytes sent per rank per step", fmt_bytes(a.bytes), fmt_bytes(b.bytes),
-         difference(a.bytes, b.bytes)),
-        ("parameter bytes on rank 0", fmt_bytes(ha[2]), fmt_bytes(hb[2]), difference(ha[2], hb[2])),
-        ("activations at the slots, rank 0", fmt_bytes(ha[3]), fmt_bytes(hb[3]),
-         difference(ha[3], hb[3])),
+        *(sizes(f"bytes sent per rank, {phase}", a.phase_bytes(phase), b.phase_bytes(phase))
+          for phase in ("forward", "backward")),
+        sizes("bytes sent per rank per step", a.bytes, b.bytes),
+        sizes("parameter bytes on rank 0", ha[2], hb[2]),
+        sizes("activations at the slots, rank 0", ha[3], hb[3]),
         ("saved for the backward, rank 0", _bytes(a.kept), _bytes(b.kept),
          "" if a.kept is None or b.kept is None else difference(a.kept, b.kept)),
-        ("parameters sharded (bytes)", _pct(sa.fraction), _pct(sb.fraction), ""),
+        ("parameters sharded (bytes)", fmt_pct(sa.fraction), fmt_pct(sb.fraction), ""),
     ]
     ra, rb = _ratio(a), _ratio(b)
     if ra is not None or rb is not None:
-        rows.append(("Megatron ratio of the blocks", _fmt(ra), _fmt(rb), ""))
+        rows.append(("Megatron ratio of the blocks", fmt_ratio(ra), fmt_ratio(rb), ""))
     return "".join(f"<tr><td>{escape(label)}</td><td>{escape(x)}</td><td>{escape(y)}</td>"
                    f"<td>{d}</td></tr>" for label, x, y, d in rows)
 
@@ -83,16 +78,8 @@ def _count_diff(a, b, phase: str) -> str:
     return f'<span class="{"better" if n < m else "worse"}">{n - m:+d} collectives</span>'
 
 
-def _pct(x) -> str:
-    return "-" if x is None else str(x) if sympy.sympify(x).free_symbols else f"{100 * float(x):.1f}%"
-
-
 def _bytes(x) -> str:
     return "-" if x is None else fmt_bytes(x)
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else str(x) if x.free_symbols else f"{float(x):.2f}"
 
 
 def _module(report, fqn, traffic) -> tuple:
@@ -106,20 +93,16 @@ def _module(report, fqn, traffic) -> tuple:
 def _modules(a, b, names: tuple) -> str:
     ta, tb = a.traffic(), b.traffic()
     order = list(dict.fromkeys([r.fqn for r in a.rows] + [r.fqn for r in b.rows]))
-    groups: dict = {}
+    named = []
     for fqn in [*order, None]:
         x, y = _module(a, fqn, ta), _module(b, fqn, tb)
-        if not (x[0] or y[0] or x[3] or y[3]):
-            continue  # in neither plan, and silent under both
-        key = (generalize(fqn) if fqn is not None else None, repr((x, y)))
-        groups.setdefault(key, [fqn, 0, x, y])[1] += 1
+        if x[0] or y[0] or x[3] or y[3]:  # in either plan, or sending under either
+            named.append(("(end of the backward)" if fqn is None else fqn, (x, y)))
     rows = []
-    for fqn, k, x, y in groups.values():
-        name = ("(end of the backward)" if fqn is None
-                else generalize(fqn) if k > 1 else fqn or "<root>")
+    for name, k, (x, y) in grouped(named):
         cells = "".join(f'<td class="mono">{escape(s)}</td><td>{escape(f)}</td><td>{escape(g)}</td>'
                         for s, f, g, _ in (x, y))
-        rows.append(f"<tr><td><code>{escape(name)}</code>{f' &times;{k}' if k > 1 else ''}</td>"
+        rows.append(f"<tr><td><code>{escape(name or '<root>')}</code>{f' &times;{k}' if k > 1 else ''}</td>"
                     f"{cells}<td>{difference(x[3], y[3])}{' each' if k > 1 else ''}</td></tr>")
     head = "".join(f'<th colspan="3">{escape(n)}</th>' for n in names)
     sub = "<th>style</th><th>forward</th><th>backward</th>" * 2

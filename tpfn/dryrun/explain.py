@@ -6,9 +6,7 @@ run is seen from rank 0. With example inputs it runs one forward and the backwar
 sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
 each collective. The user's module is never changed.
 
-Each dry run makes its own fake mesh (``tpfn.dryrun.fake``) and unregisters its group at
-the end, so ``explain`` runs inside a job whose default group is initialized, and after the
-user's own ``init_process_group``/``destroy_process_group``.
+Each dry run makes a fake mesh of its own (``tpfn.dryrun.fake``), and unregisters it at the end.
 
 Sizes may be sympy symbols (batch, sequence, the mesh size). The dry run then runs three
 times with stand-in sizes ``v``, ``v*r`` and ``v*r**2`` (``r`` a distinct prime per symbol,
@@ -30,13 +28,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import local_tensor
+from tpfn._fqn import join
 from tpfn.algebra import local_shape, transition
 from tpfn.dryrun import lints as lint
+from tpfn.dryrun import units
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
-from tpfn.dryrun.slots import Slots
+from tpfn.dryrun.slots import Slots, storage_of
 from tpfn.errors import PlanError
 from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
@@ -57,9 +56,8 @@ def _meta_copy(module: nn.Module) -> nn.Module:
                 continue
             if isinstance(value, DTensor):
                 raise ValueError(
-                    f"{'.'.join(x for x in (fqn, name) if x)!r} is already a DTensor: explain takes "
-                    "the module as it is before parallelize (build it on the meta device if it is "
-                    "big).")
+                    f"{join(fqn, name)!r} is already a DTensor: explain takes the module as it is "
+                    "before parallelize (build it on the meta device if it is big).")
             meta = torch.empty_like(value, device="meta")
             memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
                 value, nn.Parameter) else meta
@@ -95,14 +93,15 @@ def _input(x, dtype):
     return x
 
 
-def _inputs(example_inputs, dtype) -> tuple:
-    """``(args, kwargs)`` with every tensor or shape as an ``ExampleInput``."""
+def split_inputs(example_inputs, make, is_shape=_is_shape) -> tuple:
+    """``(args, kwargs)`` of ``example_inputs`` (a tensor, a shape, a tuple of them or a dict), each
+    value made by ``make``; ``is_shape`` tells one shape from a tuple of inputs."""
     if isinstance(example_inputs, Mapping):
-        return (), {k: _input(v, dtype) for k, v in example_inputs.items()}
-    if isinstance(example_inputs, torch.Tensor) or (_is_shape(example_inputs) and example_inputs):
-        return (_input(example_inputs, dtype),), {}
+        return (), {k: make(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor) or (is_shape(example_inputs) and example_inputs):
+        return (make(example_inputs),), {}
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(_input(x, dtype) for x in example_inputs), {}
+        return tuple(make(x) for x in example_inputs), {}
     raise TypeError(
         "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
         f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
@@ -116,16 +115,7 @@ def _local(shape: tuple, placement, shown, n: int) -> tuple:
         nominal = list(shape)
         nominal[placement.dim] = sympy.sympify(shape[placement.dim]) / shown
         return ((tuple(nominal), 0, shown - 1),)
-    if placement.heads is None and all(part % n == 0 for part in placement.sizes(shape[placement.dim])):
-        return ((local_shape(shape, placement, (n,), (0,)), 0, n - 1),)
-    runs: list = []
-    for c in range(n):
-        s = local_shape(shape, placement, (n,), (c,))
-        if runs and runs[-1][0] == s:
-            runs[-1][2] = c
-        else:
-            runs.append([s, c, c])
-    return tuple(map(tuple, runs))
+    return tuple(units.runs([local_shape(shape, placement, (n,), (c,)) for c in range(n)]))
 
 
 def _rows(module: nn.Module, shown, n: int) -> list:
@@ -137,14 +127,13 @@ def _rows(module: nn.Module, shown, n: int) -> list:
         for name, p in sub._parameters.items():
             if p is None:
                 continue
-            full = f"{fqn}.{name}" if fqn else name
+            full = join(fqn, name)
             owner = first.setdefault(id(p), full)
             placement = placed.get(full) or (from_torch(p.placements)[0] if isinstance(p, DTensor) else None)
             shape = tuple(p.shape)
             params.append(Param(name, placement, shape, _local(shape, placement, shown, n),
                                 p.dtype.itemsize, None if owner == full else owner))
-        mount = mounted(sub)
-        rows.append(Row(fqn, type(sub).__name__, None if mount is None else mount.style, tuple(params)))
+        rows.append(Row(fqn, type(sub).__name__, getattr(mounted(sub), "style", None), tuple(params)))
     return rows
 
 
@@ -199,26 +188,28 @@ def _watch(module: nn.Module, seen: dict, block) -> None:
         if runtime(sub) is not None:
             runtime(sub).watch = watcher(seen.setdefault(fqn, {}))
     if block is not None:
-        module.get_submodule(block).register_forward_pre_hook(
-            block_input, prepend=True, with_kwargs=True)
+        module.get_submodule(block).register_forward_pre_hook(block_input, prepend=True, with_kwargs=True)
 
 
 def _blocks(module: nn.Module) -> tuple:
     """The FQNs of the longest ``nn.ModuleList`` of two or more modules of one type."""
-    lists = [(len(m), fqn, m) for fqn, m in module.named_modules()
+    lists = [(len(m), fqn) for fqn, m in module.named_modules()
              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1]
-    if not lists:
-        return ()
-    _, fqn, blocks = max(lists, key=lambda x: x[0])
-    return tuple(f"{fqn}.{i}" if fqn else str(i) for i in range(len(blocks)))
+    n, fqn = max(lists, key=lambda x: x[0], default=(0, ""))
+    return tuple(join(fqn, str(i)) for i in range(n))
 
 
-def _floats(out) -> list:
+def tensors(x) -> list:
+    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return [t for item in items for t in tensors(item)]
+
+
+def floats(out) -> list:
     """Every floating-point tensor in an output (tensors, tuples, lists, dicts) that needs a gradient."""
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() and out.requires_grad else []
-    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
-    return [t for x in items for t in _floats(x)]
+    return [t for t in tensors(out) if t.is_floating_point() and t.requires_grad]
 
 
 def _tokens(x: ExampleInput):
@@ -227,15 +218,11 @@ def _tokens(x: ExampleInput):
     return sympy.Mul(*map(sympy.sympify, dims))
 
 
-def _storage(x):
-    return (local_tensor(x) if isinstance(x, DTensor) else x).untyped_storage()
-
-
 def _kept(model: nn.Module, saved: list) -> int:
     """Bytes of the distinct storages of ``saved`` (what autograd saved for the backward),
     the model's own parameters and buffers left out: the activations a rank keeps."""
-    own = {id(_storage(t)) for t in itertools.chain(model.parameters(), model.buffers())}
-    distinct = {id(s): s for s in map(_storage, saved) if id(s) not in own}
+    own = {id(storage_of(t)) for t in itertools.chain(model.parameters(), model.buffers())}
+    distinct = {id(s): s for s in map(storage_of, saved) if id(s) not in own}
     return sum(s.nbytes() for s in distinct.values())
 
 
@@ -260,7 +247,7 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 out = model(*args, **kwargs)
             phase = "backward"
-            grads = [t.sum() for t in _floats(out)]
+            grads = [t.sum() for t in floats(out)]
             if grads:
                 torch.autograd.backward(grads)
     except Exception as exc:
@@ -270,16 +257,14 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
 
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, overlap: bool) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
-    model = _meta_copy(module)
-    mesh = new_fake_mesh(n)
+    model, mesh = _meta_copy(module), new_fake_mesh(n)
     try:
-        return _dry_run_on(model, mesh, plan, n, shown, args, kwargs, values, overlap)
+        return _report(model, mesh, plan, n, shown, args, kwargs, values, overlap)
     finally:
         release(mesh)
 
 
-def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict,
-                overlap: bool) -> Report:
+def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, overlap: bool) -> Report:
     parallelize(model, mesh, plan, src_rank=None, overlap=overlap)
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
@@ -296,14 +281,10 @@ def _dry_run_on(model, mesh, plan, n: int, shown, args, kwargs, values: dict,
     states = [runtime(m).state for m in model.modules() if runtime(m) is not None]
     partial = tuple(states[0].partial_grads.names.values()) if states else ()
     described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
-    inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch."))
-                   for name, x in described if isinstance(x, ExampleInput))
-    first = next((x for _, x in described if isinstance(x, ExampleInput)), None)
-    megatron = None
-    if None in seen and first is not None:
-        megatron = Megatron(blocks, _tokens(first), *seen[None])
-    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial,
-                  kept)
+    examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
+    inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)
+    megatron = Megatron(blocks, _tokens(examples[0][1]), *seen[None]) if None in seen and examples else None
+    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept)
 
 
 def _monomial(sizes: list, runs: list, symbols: list, what: str):
@@ -375,14 +356,6 @@ def _shape(shapes: list, runs: list, symbols: list):
         return None
 
 
-def _check_world_size(world_size):
-    if isinstance(world_size, sympy.Symbol) or (
-            isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
-        return world_size
-    raise TypeError(f"'world_size' must be a positive int or a sympy Symbol (got {world_size!r} "
-                    f"that is a {type(world_size)!r}).")
-
-
 def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
             example_inputs: object = None, dtype: torch.dtype = torch.long,
             sizes: dict | None = None, overlap: bool = True) -> Report:
@@ -414,8 +387,12 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
-    world_size = _check_world_size(world_size)
-    args, kwargs = (None, None) if example_inputs is None else _inputs(example_inputs, dtype)
+    if not isinstance(world_size, sympy.Symbol) and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise TypeError(f"'world_size' must be a positive int or a sympy Symbol (got {world_size!r} "
+                        f"that is a {type(world_size)!r}).")
+    args, kwargs = (None, None) if example_inputs is None else split_inputs(
+        example_inputs, lambda x: _input(x, dtype))
     shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, ExampleInput)]
     symbols = sorted({s for shape in shapes for d in shape for s in sympy.sympify(d).free_symbols}
                      | ({world_size} if isinstance(world_size, sympy.Symbol) else set()), key=str)

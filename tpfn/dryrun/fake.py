@@ -36,11 +36,9 @@ def fake_mesh(world_size: int) -> DeviceMesh:
     ``destroy_process_group()``). ``explain`` makes its own with ``new_fake_mesh``."""
     mesh = _KEPT.get(world_size)
     if mesh is not None:
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):  # its group is gone
             resolve_process_group(mesh.mesh_dim_names[0])
             return mesh
-        except (RuntimeError, ValueError):
-            pass
     mesh = _KEPT[world_size] = new_fake_mesh(world_size)
     return mesh
 

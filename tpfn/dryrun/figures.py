@@ -18,6 +18,7 @@ import sympy
 
 from tpfn._fqn import join
 from tpfn.algebra import local_shape
+from tpfn.dryrun.units import runs
 from tpfn.layout import Shard
 
 __all__ = ["Sharded", "sharded", "held", "local", "activations", "flows", "own", "ending",
@@ -78,14 +79,11 @@ def flows(report) -> dict:
     return {(f.fqn, f.slot): f for f in report.flows}
 
 
-def _layouts(report) -> dict:
-    return {(r.fqn, t.slot): t.desired for r in report.rows for t in r.transitions}
-
-
 def activations(report) -> list:
     """``(Flow, layout)`` of each distinct tensor a slot handed on (the first slot that
     handed on its memory), where its shape is known."""
-    seen, out, layouts = set(), [], _layouts(report)
+    seen, out = set(), []
+    layouts = {(r.fqn, t.slot): t.desired for r in report.rows for t in r.transitions}
     for f in report.flows:
         if f.shape is not None and f.storage not in seen:
             seen.add(f.storage)
@@ -93,29 +91,19 @@ def activations(report) -> list:
     return out
 
 
-def _ranks(report):
-    n = report.world_size
-    return [0] if isinstance(n, sympy.Basic) else list(range(n))
-
-
 def held(report) -> list:
     """``(first rank, last rank, parameter bytes, activation bytes)`` for each run of ranks
     holding the same: parameters as ``Param.local`` says, activations as the distinct
     tensors the slots handed on (``activations``), each at its layout on that rank."""
     n, params, acts = report.world_size, _params(report), activations(report)
-    out: list = []
-    for r in _ranks(report):
-        p = sum((nbytes(next(s for s, a, b in q.local if a <= r <= b), q.itemsize)
-                 for _, q in params), sympy.Integer(0))
-        a = sum((nbytes(local(f.shape, layout, n, r), f.itemsize) for f, layout in acts),
+    symbolic = isinstance(n, sympy.Basic)  # rank 0 stands for every rank
+    found = []
+    for r in [0] if symbolic else range(n):
+        p = sum((nbytes(next(s for s, a, b in q.local if a <= r <= b), q.itemsize) for _, q in params),
                 sympy.Integer(0))
-        if out and out[-1][2:] == [p, a]:
-            out[-1][1] = r
-        else:
-            out.append([r, r, p, a])
-    if isinstance(n, sympy.Basic):
-        out[0][1] = n - 1
-    return [tuple(x) for x in out]
+        a = sum((nbytes(local(f.shape, layout, n, r), f.itemsize) for f, layout in acts), sympy.Integer(0))
+        found.append((p, a))
+    return [(first, n - 1 if symbolic else last, p, a) for (p, a), first, last in runs(found)]
 
 
 def own(report, fqn: str) -> list:

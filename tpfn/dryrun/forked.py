@@ -11,6 +11,7 @@ once a rank failed), then kills and reaps every child, whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -96,8 +97,6 @@ def on_ranks(run, fail, n: int, *, timeout: float, grace: float = 5.0) -> dict:
         for conn in conns.values():
             conn.close()
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             os.waitpid(pid, 0)

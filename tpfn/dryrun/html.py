@@ -23,11 +23,11 @@ from html import escape
 
 import sympy
 
-from tpfn._fqn import generalize, join
+from tpfn._fqn import join
 from tpfn.dryrun import figures
 from tpfn.dryrun.compare import comparison
 from tpfn.dryrun.picture import colour, picture
-from tpfn.dryrun.units import fmt_bytes
+from tpfn.dryrun.units import fmt_bytes, fmt_pct, fmt_ranks, fmt_ratio, grouped
 from tpfn.layout import Partial, Replicate, Shard
 
 __all__ = ["html", "STYLE", "KINDS"]
@@ -113,10 +113,6 @@ def _kind(kind: str) -> str:
     return f'<span class="kind" style="background:{KINDS.get(kind, "#475467")}">{escape(kind)}</span>'
 
 
-def _pct(x) -> str:
-    return "-" if x is None else str(x) if sympy.sympify(x).free_symbols else f"{100 * float(x):.1f}%"
-
-
 def _number(x):
     x = sympy.sympify(x)
     return None if x.free_symbols else float(x)
@@ -146,7 +142,7 @@ def _cards(report, shares: figures.Sharded, held: list) -> str:
     counts = lambda ph: sum(report.count(ph).values())  # noqa: E731
     p0, a0 = held[0][2], held[0][3]
     cards = [
-        ("hero", "parameters sharded", _pct(shares.fraction),
+        ("hero", "parameters sharded", fmt_pct(shares.fraction),
          f"of the parameter bytes · {shares.tensors} of {shares.of_tensors} tensors · "
          f"{len(shares.whole)} whole on every rank"),
         ("", "sent per rank per step", fmt_bytes(report.bytes),
@@ -161,9 +157,8 @@ def _cards(report, shares: figures.Sharded, held: list) -> str:
              else f"saved for the backward {fmt_bytes(report.kept)}")),
     ]
     if report.megatron is not None and report.megatron_bytes:
-        ratio = sympy.simplify(report.blocks_bytes / report.megatron_bytes)
         cards.append(("", f"Megatron ratio, {len(report.megatron.blocks)} blocks",
-                      str(ratio) if ratio.free_symbols else f"{float(ratio):.2f}",
+                      fmt_ratio(report.blocks_bytes / report.megatron_bytes),
                       f"the blocks send {fmt_bytes(report.blocks_bytes)}; the minimum is "
                       f"{fmt_bytes(report.megatron_bytes)}"))
     return '<div class="cards" id="cards">' + "".join(
@@ -172,20 +167,11 @@ def _cards(report, shares: figures.Sharded, held: list) -> str:
         for k, label, big, small in cards) + "</div>"
 
 
-def _grouped(named: list) -> list:
-    """``(name or pattern, count, value)`` of ``(name, value)`` pairs, repeated blocks once."""
-    groups: dict = {}
-    for name, value in named:
-        key = (generalize(name), repr(value))
-        groups.setdefault(key, [name, 0, value])[1] += 1
-    return [(generalize(n) if k > 1 else n, k, v) for n, k, v in groups.values()]
-
-
 def _sharded(report, shares: figures.Sharded) -> str:
     by_count = shares.tensors / shares.of_tensors if shares.of_tensors else None
     meters = "".join(
         f'<p><span class="meter"><span style="width:{100 * (_number(x) or 0):.1f}%"></span></span>'
-        f'<b>{_pct(x)}</b> {escape(text)}</p>'
+        f'<b>{fmt_pct(x)}</b> {escape(text)}</p>'
         for x, text in ((shares.fraction, f"of the parameter bytes ({fmt_bytes(shares.bytes)} of "
                          f"{fmt_bytes(shares.of_bytes)})"),
                         (by_count, f"of the parameter tensors ({shares.tensors} of "
@@ -195,24 +181,22 @@ def _sharded(report, shares: figures.Sharded) -> str:
         f"<td>{_badge(p.placement)}</td><td class=mono>{escape(p.text)}</td>"
         f'<td class="num">{escape(fmt_bytes(figures.nbytes(p.shape, p.itemsize)))}'
         f"{' each' if k > 1 else ''}</td></tr>"
-        for name, k, p in _grouped(list(shares.whole)))
+        for name, k, p in grouped(list(shares.whole)))
     whole = (f'<h3>Whole on every rank ({len(shares.whole)})</h3><table class="grid" id="whole">'
              '<tr><th>parameter</th><th>layout</th><th>shape</th><th class="num">bytes</th></tr>'
              f"{rows}</table>") if shares.whole else "<p>Every parameter is sharded.</p>"
-    return (f'<section id="sharded"><h2>Parameters sharded</h2>{meters}'
-            '<p class="note">Sharded: laid out Shard(...), each rank holding a slice. Bytes are '
-            "of the whole (global) tensors; a tied parameter counts once.</p>"
-            f"{whole}</section>")
+    return (f'<section id="sharded"><h2>Parameters sharded</h2>{meters}<p class="note">Sharded: laid '
+            "out Shard(...), each rank holding a slice. Bytes are of the whole (global) tensors; a tied "
+            f"parameter counts once.</p>{whole}</section>")
 
 
 def _ranks(report, held: list) -> str:
     top = max((_number(p + a) or 0 for _, _, p, a in held), default=0) or 1
     rows = []
     for a, b, p, act in held:
-        who = f"rank {a}" if a == b else f"ranks {a}-{b}"
         bars = "".join(f'<span class="{k}" style="width:{300 * (_number(x) or 0) / top:.1f}px"></span>'
                        for k, x in (("p", p), ("a", act)))
-        rows.append(f"<tr><td>{who}</td><td class=num>{escape(fmt_bytes(p))}</td>"
+        rows.append(f"<tr><td>{fmt_ranks(a, b)}</td><td class=num>{escape(fmt_bytes(p))}</td>"
                     f"<td class=num>{escape(fmt_bytes(act))}</td><td class=num>"
                     f"{escape(fmt_bytes(sympy.sympify(p) + act))}</td><td><span class=stack>{bars}"
                     "</span></td></tr>")
@@ -237,13 +221,12 @@ def _ranks(report, held: list) -> str:
         kept = ""
     return (
         '<section id="ranks"><h2>What each rank holds</h2>'
-        '<p class="note">Parameters: each rank\'s shards (a tied parameter once). Activations at '
-        "the slots: each distinct tensor a bound module's slot handed on in the dry run (an input "
-        "after its move, an output after its move), at its layout on that rank, counted once where "
-        "slots hand on one tensor's memory; modules the plan leaves alone add none. Not counted: "
-        "gradients, optimizer state."
-        f'<span class="key" style="background:#4e79a7"></span>parameters'
-        f'<span class="key" style="background:#f2a65a"></span>activations at the slots</p>'
+        '<p class="note">Parameters: each rank\'s shards (a tied parameter once). Activations at the '
+        "slots: each distinct tensor a bound module's slot handed on in the dry run (an input after its "
+        "move, an output after its move), at its layout on that rank, counted once where slots hand on "
+        "one tensor's memory; modules the plan leaves alone add none. Not counted: gradients, optimizer "
+        'state.<span class="key" style="background:#4e79a7"></span>parameters'
+        '<span class="key" style="background:#f2a65a"></span>activations at the slots</p>'
         '<table class="grid"><tr><th>ranks</th><th class="num">parameters</th>'
         '<th class="num">activations at the slots</th><th class="num">total</th><th></th></tr>'
         f'{"".join(rows)}</table>{kept}{counted}</section>')
@@ -256,12 +239,12 @@ def _timeline(report, slots: dict) -> str:
     top = max((_number(c.bytes) or 0 for c in report.comms), default=0) or 1
     strips = []
     for phase in ("forward", "backward"):
-        js = [j for j, c in enumerate(report.comms) if c.phase == phase]
+        js = [(j, c) for j, c in enumerate(report.comms) if c.phase == phase]
         segs = "".join(
-            f'<a href="#c{j + 1}" style="flex-grow:{max(_number(report.comms[j].bytes) or 1, 1):g};'
-            f'background:{KINDS.get(report.comms[j].kind, "#475467")}" title="#{j + 1} '
-            f'{escape(" ".join(_where(report, j, slots)))}: {report.comms[j].kind} '
-            f'{escape(fmt_bytes(report.comms[j].bytes))}"></a>' for j in js)
+            f'<a href="#c{j + 1}" style="flex-grow:{max(_number(c.bytes) or 1, 1):g};'
+            f'background:{KINDS.get(c.kind, "#475467")}" title="#{j + 1} '
+            f'{escape(" ".join(_where(report, j, slots)))}: {c.kind} {escape(fmt_bytes(c.bytes))}"></a>'
+            for j, c in js)
         strips.append(f"<h3>{phase}: {len(js)} collectives, "
                       f"{escape(fmt_bytes(report.phase_bytes(phase)))}</h3>"
                       + (f'<div class="strip">{segs}</div>' if js else '<p class="none">none</p>'))
@@ -288,8 +271,8 @@ def _timeline(report, slots: dict) -> str:
         f'{"".join(rows)}</table></details></section>')
 
 
-def _steps(report, js, none: str = "no collective") -> str:
-    return "".join(_comm(report, j) for j in js) or f'<span class="none">{none}</span>'
+def _steps(report, js) -> str:
+    return "".join(_comm(report, j) for j in js) or '<span class="none">no collective</span>'
 
 
 def _as_in(like: str) -> str:
@@ -333,14 +316,11 @@ def _slot(report, fqn: str, t, flow, like: str | None) -> str:
         pic = (f'<div class="pics">{picture(flow.shape, t.given, n, name=name)}<span class="arrow">'
                f"&rarr;</span>{picture(flow.shape, t.desired, n, name=name)}</div>")
     steps = "".join(f'<span class="step mono">{escape(repr(s))}</span>' for s in t.steps)
+    moved = "" if flow is None else "".join(_comm(report, j) for j in flow.forward)
+    forward = (steps + moved) or '<span class="none">nothing moves</span>'
     ran = report.inputs or report.comms
-    if flow is not None:
-        forward = (steps + "".join(_comm(report, j) for j in flow.forward)) or \
-            '<span class="none">nothing moves</span>'
-        backward = _steps(report, flow.backward)
-    else:
-        forward = steps or '<span class="none">nothing moves</span>'
-        backward = '<span class="none">not run' + ("" if ran else " (no example inputs)") + "</span>"
+    backward = _steps(report, flow.backward) if flow is not None else \
+        '<span class="none">not run' + ("" if ran else " (no example inputs)") + "</span>"
     shape = "" if flow is None or flow.shape is None else \
         f'<div class="mono">{escape(str(tuple(flow.shape)))}</div>'
     return (f'<tr id="s-{escape(fqn or "root")}/{escape(t.slot.replace(" ", "_"))}"><td class="what">'
@@ -419,8 +399,7 @@ class _Tree:
                          f"DTensors, outside its slots</span></td><td>{_steps(report, forward)}"
                          f"</td><td>{_steps(report, backward)}</td></tr>")
         body = ('<table class="inner"><tr><th></th><th>layout</th><th class="f">forward</th>'
-                '<th class="b">backward</th></tr>'
-                f'{"".join(cells)}</table>') if cells else ""
+                f'<th class="b">backward</th></tr>{"".join(cells)}</table>') if cells else ""
         kids = "".join(self.node(c, None if like is None else like + c[len(fqn):])
                        for c in self.children.get(fqn, ()))
         opened = "" if repeat else " open"
@@ -436,14 +415,12 @@ class _Tree:
 
 def _tree(report) -> str:
     tree = _Tree(report)
-    end = ""
     ends = figures.ending(report)
-    if ends:
-        end = (f'<details id="m-end" open><summary><code>{END}</code> <span class="type">'
-               "the partial gradients of replicated parameters, summed in bulk</span></summary>"
-               f'<table class="inner"><tr><td class="what">parameters</td><td class="mono">'
-               f'{escape(", ".join(report.partial_grads) or "-")}</td><td></td><td>'
-               f"{_steps(report, ends)}</td></tr></table></details>")
+    end = (f'<details id="m-end" open><summary><code>{END}</code> <span class="type">'
+           "the partial gradients of replicated parameters, summed in bulk</span></summary>"
+           f'<table class="inner"><tr><td class="what">parameters</td><td class="mono">'
+           f'{escape(", ".join(report.partial_grads) or "-")}</td><td></td><td>'
+           f"{_steps(report, ends)}</td></tr></table></details>") if ends else ""
     legend = " ".join(_badge(p) for p in (Shard(0), Replicate(), Partial(), None))
     count = report.world_size if not isinstance(report.world_size, sympy.Basic) else 4
     keys = "".join(f'<span class="key" style="background:{colour(r)[0]}"></span>rank {r}'
@@ -467,8 +444,7 @@ def html(report, baseline=None, *, name: str = "this plan", baseline_name: str =
         f"<title>{escape(report.title())}</title><style>{STYLE}</style></head><body><main>"
         f"<header><h1>{escape(report.title())}</h1><div class=\"sub\">the plan's dry run on fake "
         f"ranks, seen from rank 0</div></header>{_cards(report, shares, held)}"
-        + (f'<section id="lints"><h2>Lints</h2><ul class="lints">{lints}</ul></section>'
-           if lints else "")
+        + (f'<section id="lints"><h2>Lints</h2><ul class="lints">{lints}</ul></section>' if lints else "")
         + _sharded(report, shares) + _ranks(report, held) + _timeline(report, slots)
         + (comparison(report, baseline, name, baseline_name) if baseline is not None else "")
         + _tree(report)

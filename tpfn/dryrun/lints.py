@@ -26,10 +26,11 @@ import sys
 
 import torch.nn as nn
 
-from tpfn._fqn import describe, generalize
+from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
 
-__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure", "failing_module"]
+__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure", "failing_module",
+           "local_colwise"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -43,11 +44,7 @@ HEAD_SIZES = ("head_dim", "head_size", "attention_head_size", "d_head", "dim_hea
 WIDTHS = ("n_embd", "n_embed", "embed_dim", "hidden_size", "d_model", "dim", "all_head_size")
 
 
-def _join(fqn: str, name: str) -> str:
-    return f"{fqn}.{name}" if fqn else name
-
-
-def _colwise(mounts: dict, fqn: str):
+def local_colwise(mounts: dict, fqn: str):
     """The colwise() core bound at ``fqn`` with local outputs, or None."""
     mount = mounts.get(fqn)
     core = None if mount is None else mount.style.core
@@ -56,7 +53,7 @@ def _colwise(mounts: dict, fqn: str):
 
 def _shards(mounts: dict, fqn: str):
     """The colwise() core at ``fqn`` whose module hands on local shards (not gathered), or None."""
-    core = _colwise(mounts, fqn)
+    core = local_colwise(mounts, fqn)
     if core is None:
         return None
     slots = mounts[fqn].outputs.slots
@@ -86,20 +83,17 @@ def _config(module: nn.Module, fqn: str, names):
     parts = fqn.split(".") if fqn else []
     for i in range(len(parts), -1, -1):
         config = vars(module.get_submodule(".".join(parts[:i]))).get("config")
-        found = [getattr(config, n, None) for n in names] if config is not None else []
-        if any(_count(v) for v in found):
-            return next(v for v in found if _count(v))
+        found = [v for v in (getattr(config, n, None) for n in names) if _count(v)]
+        if found:
+            return found[0]
     return None
 
 
 def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
     """``[(name, child, core)]``: the nn.Linear children bound to colwise() with local shards."""
-    out = []
-    for name, child in sub.named_children():
-        core = _shards(mounts, _join(fqn, name))
-        if core is not None and isinstance(child, nn.Linear):
-            out.append((name, child, core))
-    return out
+    found = [(name, child, _shards(mounts, join(fqn, name))) for name, child in sub.named_children()]
+    return [(name, child, core) for name, child, core in found
+            if core is not None and isinstance(child, nn.Linear)]
 
 
 def _once(found: list) -> list:
@@ -120,7 +114,7 @@ def uneven(rows, world_size: int) -> list:
     for row in rows:
         for p in row.params:
             if p.tied is None and len(p.local) > 1:
-                full, dim = _join(row.fqn, p.name), p.placement.dim
+                full, dim = join(row.fqn, p.name), p.placement.dim
                 found.append((generalize(full), (
                     f"{full!r} {p.placement!r} is uneven over {world_size} ranks: {p.text}; pad dim "
                     f"{dim} ({p.shape[dim]}) to a multiple of {world_size}, or choose a mesh size "
@@ -142,7 +136,7 @@ def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
         return {}
     out: dict = {}
     for name, child in sub.named_children():
-        core = _colwise(mounts, _join(fqn, name))
+        core = local_colwise(mounts, join(fqn, name))
         if core is None or not isinstance(child, nn.Linear):
             continue
         for width in dict.fromkeys(_widths(child, core)):
@@ -173,44 +167,39 @@ def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
     for fqn, sub in module.named_modules():
         counts = _heads(sub, fqn, mounts)
         most = max((n for n, _ in counts), default=0)  # the query heads, where fewer are KV heads
+        ranks = _ranks(world_size, shown)
         for (n, replicated), names in counts.items():
-            many = len(names) != 1
+            who, many = f"{', '.join(map(repr, names))} of {describe(sub, fqn)}", len(names) != 1
             if replicated:
                 if n >= world_size:
                     continue
-                grads = [p for name in names for p in mounts[_join(fqn, name)].params]
-                numel = sum(sub.get_submodule(name).get_parameter(p).numel()
-                            for name in names for p, _ in mounts[_join(fqn, name)].params)
+                params = [(name, p) for name in names for p, _ in mounts[join(fqn, name)].params]
+                numel = sum(sub.get_submodule(name).get_parameter(p).numel() for name, p in params)
                 found.append((generalize(fqn) + str(n) + "r", (
-                    f"{', '.join(map(repr, names))} of {describe(sub, fqn)} replicate"
-                    f"{'' if many else 's'} {n} heads of {sub.head_dim} features over "
-                    f"{_ranks(world_size, shown)}: each head is held by a group of "
-                    f"{world_size // n} ranks (colwise(heads={n})), whose copies each see their "
-                    f"own ranks' query heads, so at the end of the backward the gradients of the "
-                    f"{len(grads)} replicated parameter{'s' * (len(grads) != 1)} ({numel // n} "
-                    f"elements per rank) are summed within each group, in one all-reduce.")))
+                    f"{who} replicate{'' if many else 's'} {n} heads of {sub.head_dim} features over "
+                    f"{ranks}: each head is held by a group of {world_size // n} ranks (colwise(heads={n})), "
+                    "whose copies each see their own ranks' query heads, so at the end of the backward the "
+                    f"gradients of the {len(params)} replicated parameter{'s' * (len(params) != 1)} "
+                    f"({numel // n} elements per rank) are summed within each group, in one all-reduce.")))
                 continue
             if n < world_size:
-                single = all(_colwise(mounts, _join(fqn, name)).parts == 1 for name in names)
+                single = all(local_colwise(mounts, join(fqn, name)).parts == 1 for name in names)
                 fix = (f", or replicate the heads over groups of ranks with colwise(heads={n})"
                        if world_size % n == 0 and single and n < most else "")
-                problem = (f"fewer heads than {_ranks(world_size, shown)}, so colwise() cannot give "
-                           f"each rank a whole head; use at most {n} ranks for tensor "
-                           f"parallelism{fix}")
+                problem = (f"fewer heads than {ranks}, so colwise() cannot give each rank a whole head; "
+                           f"use at most {n} ranks for tensor parallelism{fix}")
             elif n % world_size:
-                problem = (f"{_ranks(world_size, shown)} do not divide them, so ranks would hold "
-                           f"parts of heads; choose a mesh size that divides {n}")
+                problem = (f"{ranks} do not divide them, so ranks would hold parts of heads; choose a mesh "
+                           f"size that divides {n}")
             else:
                 continue
-            verb = "project" if many else "projects"
-            found.append((generalize(fqn) + str(n), (
-                f"{', '.join(map(repr, names))} of {describe(sub, fqn)} {verb} {n} heads of "
-                f"{sub.head_dim} features: {problem}.")))
+            found.append((generalize(fqn) + str(n), f"{who} project{'' if many else 's'} {n} heads of "
+                          f"{sub.head_dim} features: {problem}."))
     return _once(found)
 
 
-def _global(sub, fqn, module, attr, value, kv, widths, size):
-    """The children whose global (KV) head count ``sub.attr == value`` is, or [] if it is not
+def _global(sub, fqn, module, value, kv, widths, size):
+    """The children whose global (KV) head count ``value`` (held by ``sub``) is, or [] if it is not
     one: by the head size where ``sub`` has one, else by the config the model was built from,
     else by the width ``sub`` holds (nanoGPT's ``n_embd``), else by the widest projection."""
     if size is not None:
@@ -255,9 +244,10 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
         cores = {name: core for name, _, core in children}
         size = next((v for _, v in _held(sub, HEAD_SIZES)), None)
         found += _ratios(sub, fqn, world_size, cores, shown)
+        ranks = _ranks(world_size, shown)
         for names, kv in ((HEADS, False), (KV_HEADS, True)):
             for attr, value in _held(sub, names):
-                members = _global(sub, fqn, module, attr, value, kv, widths, size)
+                members = _global(sub, fqn, module, value, kv, widths, size)
                 if not members:
                     continue
                 what = "KV head count" if kv else "head count"
@@ -265,22 +255,18 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 style = " and ".join(dict.fromkeys(repr(cores[n]) for n in members))
                 start = (f"{describe(sub, fqn)} holds {attr} = {value}, the global {what} of {whose}, "
                          f"whose {style} hand{'s' if len(members) == 1 else ''} on local shards: ")
+                view = (f"so a view by {attr} heads (view(B, T, self.{attr}, -1)) makes heads of the "
+                        "wrong size, silently; view with")
                 if value < world_size and all(cores[n].heads is not None for n in members):
-                    problem = (
-                        f"each of {_ranks(world_size, shown)} holds 1 of the {value} heads (each "
-                        f"held by {world_size // value} ranks), so a view by {attr} heads "
-                        f"(view(B, T, self.{attr}, -1)) makes heads of the wrong size, silently; "
-                        "view with -1 heads of the head size.")
+                    problem = (f"each of {ranks} holds 1 of the {value} heads (each held by "
+                               f"{world_size // value} ranks), {view} -1 heads of the head size.")
                 elif value % world_size == 0:
-                    problem = (
-                        f"each of {_ranks(world_size, shown)} holds {value // world_size} of the "
-                        f"{value} heads, so a view by {attr} heads (view(B, T, self.{attr}, -1)) "
-                        f"makes heads of the wrong size, silently; view with the local count "
-                        f"({attr} // {world_size}) or with -1 heads of the head size, or hand it "
-                        "DTensors with colwise(local=False).")
+                    problem = (f"each of {ranks} holds {value // world_size} of the {value} heads, {view} "
+                               f"the local count ({attr} // {world_size}) or with -1 heads of the head "
+                               "size, or hand it DTensors with colwise(local=False).")
                 elif size is None:  # with a head size, heads() says it
-                    problem = (f"{_ranks(world_size, shown)} cannot split {value} heads into whole "
-                               f"heads each; choose a mesh size that divides {value}.")
+                    problem = (f"{ranks} cannot split {value} heads into whole heads each; choose a mesh "
+                               f"size that divides {value}.")
                 else:
                     continue
                 found.append((generalize(fqn) + "." + attr, start + problem))
@@ -394,7 +380,7 @@ def siblings(module: nn.Module, rows) -> list:
         for name, child in parent.named_children():
             shapes = tuple((n, tuple(p.shape)) for n, p in child.named_parameters())
             if shapes:
-                groups.setdefault((type(child), shapes), []).append(_join(fqn, name))
+                groups.setdefault((type(child), shapes), []).append(join(fqn, name))
         for members in groups.values():
             placed = {m: _sharded(module.get_submodule(m), m, by_fqn) for m in members}
             for m in members:
@@ -443,16 +429,15 @@ def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
     pieces = f"{got} piece{'s' if got != 1 else ''}"
     held, who = f"{out // world_size} of its {out} features", repr(fqn or "<root>")
     if parts == 1:
-        return (f"{who} splits the local output of its colwise() {name!r}: each of the "
-                f"{world_size} ranks holds {held}, so a split by the global size{attr} gives "
-                f"{pieces}, not {expected}; bind it to colwise(parts={expected}), so that each "
-                f"rank holds its slice of every part, and split by the local size or with "
-                f".chunk({expected}, dim=-1).")
-    return (f"{who} splits the local output of its {core!r} {name!r}: each of the "
-            f"{world_size} ranks holds {held} (1/{world_size} of each of its {parts} parts), so a split by the "
-            f"global size{attr} gives {pieces}, not {expected}; split by the local size "
-            f"({out // parts} // {world_size} = {out // parts // world_size}) or with "
-            f".chunk({parts}, dim=-1), or hand it DTensors with colwise(local=False).")
+        return (f"{who} splits the local output of its colwise() {name!r}: each of the {world_size} "
+                f"ranks holds {held}, so a split by the global size{attr} gives {pieces}, not "
+                f"{expected}; bind it to colwise(parts={expected}), so that each rank holds its slice "
+                f"of every part, and split by the local size or with .chunk({expected}, dim=-1).")
+    return (f"{who} splits the local output of its {core!r} {name!r}: each of the {world_size} ranks "
+            f"holds {held} (1/{world_size} of each of its {parts} parts), so a split by the global "
+            f"size{attr} gives {pieces}, not {expected}; split by the local size ({out // parts} // "
+            f"{world_size} = {out // parts // world_size}) or with .chunk({parts}, dim=-1), or hand it "
+            "DTensors with colwise(local=False).")
 
 
 def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
@@ -467,11 +452,10 @@ def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
     got, local = map(int, dims.groups())
     if got != sub.in_features or local == got:
         return None
-    return (f"{fqn or '<root>'!r} is rowwise(): each rank holds {local} of its {got} input "
-            f"features, so it takes the local shard that a colwise() module hands on, but its input has all {got} "
-            "(the global in_features): no colwise() module feeds it; bind the projection before "
-            "it to colwise(), or split a replicated input with prepare_in(Replicate()) >> "
-            "rowwise().")
+    return (f"{fqn or '<root>'!r} is rowwise(): each rank holds {local} of its {got} input features, so "
+            f"it takes the local shard that a colwise() module hands on, but its input has all {got} "
+            "(the global in_features): no colwise() module feeds it; bind the projection before it to "
+            "colwise(), or split a replicated input with prepare_in(Replicate()) >> rowwise().")
 
 
 def _meta_hint(module: nn.Module, exc: BaseException):
@@ -523,7 +507,7 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
     text = str(exc)
     message = f"the dry run's {phase} failed{where}: {type(exc).__name__}: {text}"
     sub = module.get_submodule(fqn) if fqn is not None else None
-    local = [name for name, _ in sub.named_children() if _colwise(mounts, _join(fqn, name))] \
+    local = [name for name, _ in sub.named_children() if local_colwise(mounts, join(fqn, name))] \
         if sub is not None else []
     split = sub is not None and all(n % world_size == 0 for n, replicated in _heads(sub, fqn, mounts)
                                     if not replicated)
@@ -533,11 +517,10 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
         hint = (f"{name!r} computes on DTensors it is handed, but holds plain parameters: bind it in "
                 "the plan (colwise(), rowwise(), replicate(), ...), or hand it local tensors.")
     elif local and split and "is invalid for input of size" in text:
-        hint = (f"{name!r} reshapes the local outputs of its colwise() "
-                f"{', '.join(map(repr, local))}: each of the {world_size} ranks holds 1/{world_size} "
-                f"of their features (of the heads), so a view with the global head count fails; view "
-                f"with the local count (heads // {world_size}) or -1, or hand it DTensors with "
-                "colwise(local=False).")
+        hint = (f"{name!r} reshapes the local outputs of its colwise() {', '.join(map(repr, local))}: "
+                f"each of the {world_size} ranks holds 1/{world_size} of their features (of the heads), "
+                "so a view with the global head count fails; view with the local count (heads // "
+                f"{world_size}) or -1, or hand it DTensors with colwise(local=False).")
     elif sub is not None and isinstance(exc, ValueError) and "values to unpack" in text:
         hint = _unpack_hint(sub, fqn, mounts, world_size, text)
     elif sub is not None and isinstance(exc, RuntimeError) and (

@@ -26,6 +26,7 @@ import sympy
 
 from tpfn.algebra import shard_ranges
 from tpfn.dryrun.figures import local
+from tpfn.dryrun.units import fmt_ranks, fmt_shape, runs
 from tpfn.layout import Partial, Replicate, Shard
 
 __all__ = ["picture", "colour", "PALETTE"]
@@ -115,7 +116,7 @@ def _range(start: float, stop: float, size) -> str:
     return "none" if a == b else f"{a}-{b - 1} of {whole}"
 
 
-def _sharded(shape, layout: Shard, n, row, col, w: int, h: int) -> str:
+def _sharded(shape, layout: Shard, n, col, w: int, h: int) -> str:
     dim = layout.dim % len(shape)
     across = dim == col  # the dim runs along the columns
     axis = "columns" if across else "rows"
@@ -125,12 +126,11 @@ def _sharded(shape, layout: Shard, n, row, col, w: int, h: int) -> str:
         fill, ink = ("#d5dae1", "#333") if ranks is None else colour(ranks[0] if ranks[0] >= 0 else 3)
         x, y = (start * w, 0) if across else (0, start * h)
         bw, bh = ((stop - start) * w, h) if across else (w, (stop - start) * h)
-        who = ("the ranks between" if ranks is None else
-               f"rank{'s' if len(ranks) > 1 else ''} {_who(ranks, n)}")
+        label = _who(ranks, n)
+        who = "the ranks between" if ranks is None else f"rank{'s' if len(ranks) > 1 else ''} {label}"
         tip = f"{who}: {axis} {_range(start, stop, shape[dim])}" + (f" (part {p})" if packed else "")
         out.append(f'<rect class="block" x="{x:.1f}" y="{y:.1f}" width="{bw:.1f}" height="{bh:.1f}" '
                    f'fill="{fill}" stroke="#fff" stroke-width="1"><title>{escape(tip)}</title></rect>')
-        label = _who(ranks, n)
         if (bw if across else bh) >= 7 * len(label) + 6 and (bh if across else bw) >= 12:
             out.append(f'<text x="{x + bw / 2:.1f}" y="{y + bh / 2 + 4:.1f}" fill="{ink}">'
                        f"{escape(label)}</text>")
@@ -174,17 +174,13 @@ def _partial(n, w: int, h: int) -> str:
                    f'width="{w - 1}" height="{h - 1}" fill="{fill}" stroke="#fff" rx="2">'
                    f'<title>{escape(tip)}</title></rect>')
         if i == 0:
-            out.append(f'<text x="{w / 2:.1f}" y="{h / 2 + 4:.1f}" fill="{ink}">'
-                       f'sum of {n} terms</text>')
+            out.append(f'<text x="{w / 2:.1f}" y="{h / 2 + 4:.1f}" fill="{ink}">sum of {n} terms</text>')
     return "".join(out)
 
 
-def _caption(shape: tuple, layout, n, row, col) -> str:
-    parts = []
-    if row is not None:
-        parts.append(f"rows: dim {row} ({shape[row]})")
-    if col is not None:
-        parts.append(f"columns: dim {col} ({shape[col]})")
+def _caption(shape: tuple, row, col) -> str:
+    parts = [f"rows: dim {row} ({shape[row]})"] if row is not None else []
+    parts += [f"columns: dim {col} ({shape[col]})"] if col is not None else []
     rest = [d for d in range(len(shape)) if d not in (row, col)]
     if rest:
         parts.append("for each index of " + ", ".join(f"dim {d} ({shape[d]})" for d in rest))
@@ -193,21 +189,11 @@ def _caption(shape: tuple, layout, n, row, col) -> str:
 
 def _locals(shape: tuple, layout, n) -> str:
     """``'ranks 0-2: (3, 4), rank 3: (1, 4)'``: each run of ranks holding one shape."""
-    def text(s):
-        return "(" + ", ".join(map(str, s)) + ("," if len(s) == 1 else "") + ")"
-
     count = _number(n)
     if count is None:
-        return f"each rank: {text(local(shape, layout, n, 0))}"
-    runs: list = []
-    for r in range(count):
-        s = local(shape, layout, n, r)
-        if runs and runs[-1][0] == s:
-            runs[-1][2] = r
-        else:
-            runs.append([s, r, r])
-    return ", ".join(f"{'rank' if a == b else 'ranks'} {a if a == b else f'{a}-{b}'}: {text(s)}"
-                     for s, a, b in runs)
+        return f"each rank: {fmt_shape(local(shape, layout, n, 0))}"
+    return ", ".join(f"{fmt_ranks(a, b)}: {fmt_shape(s)}"
+                     for s, a, b in runs([local(shape, layout, n, r) for r in range(count)]))
 
 
 def picture(shape: tuple, layout, n, *, name: str = "") -> str:
@@ -217,7 +203,7 @@ def picture(shape: tuple, layout, n, *, name: str = "") -> str:
     row, col = _axes(shape, layout)
     w, h = _box(shape, row, col)
     if isinstance(layout, Shard):
-        body = _sharded(shape, layout, n, row, col, w, h)
+        body = _sharded(shape, layout, n, col, w, h)
     elif isinstance(layout, Partial):
         body = _partial(n, w, h)
     else:
@@ -227,5 +213,5 @@ def picture(shape: tuple, layout, n, *, name: str = "") -> str:
     return (f'<figure class="pic" data-tensor="{escape(name)}"><svg width="{w + extra}" '
             f'height="{h + extra}" viewBox="0 0 {w + extra} {h + extra}" role="img" '
             f'aria-label="{escape(label)}">{body}</svg><figcaption><span>'
-            f'{escape(_caption(shape, layout, n, row, col))}</span><span>'
+            f'{escape(_caption(shape, row, col))}</span><span>'
             f'{escape(_locals(shape, layout, n))}</span></figcaption></figure>')

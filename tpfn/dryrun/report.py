@@ -13,6 +13,8 @@ collective really moved; they are sympy expressions where sizes were given as sy
 
 from __future__ import annotations
 
+import functools
+import itertools
 import textwrap
 from collections import Counter
 
@@ -22,20 +24,15 @@ import sympy
 from tpfn._fqn import generalize
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
 from tpfn.dryrun.html import html
-from tpfn.dryrun.units import fmt_bytes, summary
+from tpfn.dryrun.units import fmt_bytes, fmt_ranks, fmt_ratio, fmt_shape, summary
 from tpfn.layout import Placement, Replicate, Shard
 from tpfn.style.style import Style
 
-__all__ = ["Comm", "Param", "Transition", "Flow", "Row", "Megatron", "Report", "fmt_bytes",
-           "summary"]
+__all__ = ["Comm", "Param", "Transition", "Flow", "Row", "Megatron", "Report", "fmt_bytes", "summary"]
 
 # The one-step program whose ring cost is each kind's: sizes are of the whole tensor.
-_STEPS = {
-    "all_gather": AllGather(dim=0),
-    "all_reduce": AllReduce(),
-    "reduce_scatter": ReduceScatter(dim=0),
-    "all_to_all": AllToAll(src_dim=0, dst_dim=0),
-}
+_STEPS = {"all_gather": AllGather(dim=0), "all_reduce": AllReduce(), "reduce_scatter": ReduceScatter(dim=0),
+          "all_to_all": AllToAll(src_dim=0, dst_dim=0)}
 KINDS = tuple(_STEPS)
 
 
@@ -58,14 +55,6 @@ def _exact(n) -> str:
     if n.free_symbols:
         return str(n)
     return f"{int(n):,} B ({fmt_bytes(n)})" if n.is_integer and n >= 1024 else fmt_bytes(n)
-
-
-def _ranks(a, b) -> str:
-    return f"rank {a}" if a == b else f"ranks {a}-{b}"
-
-
-def _shape(shape) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 @attrs.frozen
@@ -122,9 +111,9 @@ class Param:
     @property
     def text(self) -> str:
         """Global -> local shapes, and the owner of a tied parameter."""
-        local = _shape(self.local[0][0]) if len(self.local) == 1 else ", ".join(
-            f"{_shape(s)} on {_ranks(a, b)}" for s, a, b in self.local)
-        return f"{_shape(self.shape)} -> {local}" + (f" (tied to {self.tied})" if self.tied else "")
+        local = fmt_shape(self.local[0][0]) if len(self.local) == 1 else ", ".join(
+            f"{fmt_shape(s)} on {fmt_ranks(a, b)}" for s, a, b in self.local)
+        return f"{fmt_shape(self.shape)} -> {local}" + (f" (tied to {self.tied})" if self.tied else "")
 
 
 @attrs.frozen
@@ -262,9 +251,8 @@ class Report:
     @property
     def blocks_bytes(self):
         """Bytes the Megatron blocks send (None without blocks)."""
-        if self.megatron is None:
-            return None
-        return _total(self.moved(b, within=True) for b in self.megatron.blocks)
+        m = self.megatron
+        return None if m is None else _total(self.moved(b, within=True) for b in m.blocks)
 
     @property
     def megatron_bytes(self):
@@ -274,18 +262,16 @@ class Report:
     def to_dict(self) -> dict:
         """The report as JSON-ready data: every module, collective, total and lint."""
         place = lambda p: None if p is None else repr(p)  # noqa: E731
+        dims = lambda shape: [_number(d) for d in shape]  # noqa: E731
         traffic = self.traffic()
         return {
             "world_size": _number(self.world_size),
-            "inputs": [{"name": n, "shape": [_number(d) for d in s], "dtype": t}
-                       for n, s, t in self.inputs],
+            "inputs": [{"name": n, "shape": dims(s), "dtype": t} for n, s, t in self.inputs],
             "modules": [{
-                "fqn": r.fqn, "type": r.type, "style": None if r.style is None else repr(r.style),
+                "fqn": r.fqn, "type": r.type, "style": place(r.style),
                 "params": [{
-                    "name": p.name, "placement": place(p.placement),
-                    "shape": [_number(d) for d in p.shape],
-                    "local": [{"shape": [_number(d) for d in s], "ranks": [_number(a), _number(b)]}
-                              for s, a, b in p.local],
+                    "name": p.name, "placement": place(p.placement), "shape": dims(p.shape),
+                    "local": [{"shape": dims(s), "ranks": dims((a, b))} for s, a, b in p.local],
                     "bytes_per_rank": _number(p.bytes), "tied_to": p.tied,
                 } for p in r.params],
                 "transitions": [{"slot": t.slot, "given": place(t.given), "desired": place(t.desired),
@@ -326,7 +312,7 @@ class Report:
 
     def title(self) -> str:
         """What ran: ``'tpfn.explain on 8 ranks: one forward and backward of input 0 (8, 16) int64'``."""
-        inputs = ", ".join(f"{n} {_shape(s)} {t}" for n, s, t in self.inputs)
+        inputs = ", ".join(f"{n} {fmt_shape(s)} {t}" for n, s, t in self.inputs)
         run = f"one forward and backward of {inputs}" if inputs else "no inputs given, nothing ran"
         ranks = f"{self.world_size} rank{'s' * (self.world_size != 1)}"
         return f"tpfn.explain on {ranks}: {run}"
@@ -343,21 +329,15 @@ class Report:
         ]
         backward = [c for c in self.comms if c.phase == "backward"]
         if backward:
-            early = sum(c.overlaps for c in backward)
             out.insert(2, ("overlapping a weight gradient",
-                           f"{early} of {len(backward)} backward collectives"))
+                           f"{sum(c.overlaps for c in backward)} of {len(backward)} backward collectives"))
         m = self.megatron
         if m is not None:
             formula, measured = self.megatron_bytes, self.blocks_bytes
-            if formula == 0:  # one rank: nothing to move
-                ratio = "- (one rank moves nothing)"
-            else:
-                ratio = sympy.simplify(measured / formula)
-                ratio = str(ratio) if ratio.free_symbols else f"{float(ratio):.2f}"
-            out.append((
-                f"Megatron minimum, {len(m.blocks)} blocks",
-                f"8(t-1)/t*b*s*h*e each with b*s={m.tokens}, h={m.hidden}, e={m.itemsize}: "
-                f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio {ratio}"))
+            ratio = "- (one rank moves nothing)" if formula == 0 else fmt_ratio(measured / formula)
+            out.append((f"Megatron minimum, {len(m.blocks)} blocks",
+                        f"8(t-1)/t*b*s*h*e each with b*s={m.tokens}, h={m.hidden}, e={m.itemsize}: "
+                        f"{_exact(formula)}; measured in the blocks: {_exact(measured)}; ratio {ratio}"))
         return out
 
     def text(self, width: int | None = 80, *, wide: bool = False) -> str:
@@ -399,6 +379,7 @@ class Report:
 MIN_WIDTH = 40
 _GAP = "  "
 _MORE = "  "  # the indent of a cell's continuation lines
+_NONE = ("", ())  # an empty cell
 
 
 def _tokens(text: str) -> list:
@@ -426,14 +407,14 @@ def _cell(text: str) -> tuple:
     return text[:len(text) - len(body)], _tokens(body)
 
 
-def _traffic_cell(kinds: dict) -> tuple:
-    """The collectives of one module and phase as tokens: ``1 all_reduce``, ``28.0 KiB;``."""
-    if not kinds:
-        return "", ["-"]
-    tokens = []
-    for i, (k, (n, b)) in enumerate(kinds.items()):
-        tokens += [f"{n} {k}", fmt_bytes(b) + (";" if i < len(kinds) - 1 else "")]
-    return "", tokens
+def _traffic_cells(traffic: dict, fqn) -> list:
+    """The forward and backward cells of module ``fqn``: ``1 all_reduce``, ``28.0 KiB;``, ..."""
+    cells = []
+    for phase in ("forward", "backward"):
+        kinds = traffic.get((fqn, phase), {})
+        tokens = [t for k, (n, b) in kinds.items() for t in (f"{n} {k}", fmt_bytes(b) + ";")]
+        cells.append(("", [*tokens[:-1], tokens[-1][:-1]] if tokens else ["-"]))
+    return cells
 
 
 _PENALTY = {" ": 0, ",([": 3, "=": 4, "": 20}  # a token split at a space, a comma or bracket, a letter
@@ -488,16 +469,14 @@ def _fit(rows: list, width: int | None) -> list:
     if budget is None or sum(widths) <= budget:
         return widths
     floor = max(6, budget // (2 * n))
-    costs: dict = {}
 
+    @functools.cache
     def cost(c, w):  # per row: (lines, penalty of the split tokens)
-        if (c, w) not in costs:
-            found = []
-            for r in rows:
-                cuts: list = []
-                found.append((len(_wrap(r[c], w, cuts)), sum(_PENALTY[k] for k in cuts)))
-            costs[c, w] = found
-        return costs[c, w]
+        found = []
+        for r in rows:
+            cuts: list = []
+            found.append((len(_wrap(r[c], w, cuts)), sum(_PENALTY[k] for k in cuts)))
+        return found
 
     def total(ws):
         columns = [cost(c, w) for c, w in enumerate(ws)]
@@ -514,13 +493,11 @@ def _fit(rows: list, width: int | None) -> list:
 
 
 def _render(rows: list, width: int | None) -> list:
-    widths = _fit(rows, width)
-    out = []
+    widths, out = _fit(rows, width), []
     for row in rows:
         cells = [_wrap(cell, w) for cell, w in zip(row, widths)]
-        for i in range(max(map(len, cells))):
-            out.append(_GAP.join((c[i] if i < len(c) else "").ljust(w)
-                                 for c, w in zip(cells, widths)).rstrip())
+        out += [_GAP.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
+                for line in itertools.zip_longest(*cells, fillvalue="")]
     return out
 
 
@@ -557,18 +534,16 @@ def _prose(text: str, width: int | None, first: str = "", more: str = "  ") -> l
 
 
 def _module_lines(row: Row, traffic: dict, wide: bool) -> list:
-    forward = _traffic_cell(traffic.get((row.fqn, "forward"), {}))
-    backward = _traffic_cell(traffic.get((row.fqn, "backward"), {}))
-    style = _cell("" if row.style is None else repr(row.style))
+    style, moved = _cell("" if row.style is None else repr(row.style)), _traffic_cells(traffic, row.fqn)
     if not wide:
-        return [[None, style, forward, backward]]
-    lines = [[None, style, ("", []), forward, backward]]
+        return [[None, style, *moved]]
+    lines = [[None, style, _NONE, *moved]]
     for p in row.params:
         lines.append([_cell(f"  {p.name}"), _cell("-" if p.placement is None else repr(p.placement)),
-                      _cell(p.text), ("", []), ("", [])])
+                      _cell(p.text), _NONE, _NONE])
     for t in row.transitions:
         lines.append([_cell(f"  {t.slot}"), _cell(f"{t.given!r} -> {t.desired!r}"),
-                      _cell(", ".join(map(repr, t.steps)) or "-"), ("", []), ("", [])])
+                      _cell(", ".join(map(repr, t.steps)) or "-"), _NONE, _NONE])
     return lines
 
 
@@ -587,10 +562,9 @@ def _table(report: Report, width: int | None, wide: bool) -> list:
         name = generalize(row.fqn) if n > 1 else (row.fqn or "<root>")
         lines[0][0] = ("", [name, f"({row.type})" + (f" x{n}" if n > 1 else "")])
         cells.extend(lines)
-    if (None, "forward") in traffic or (None, "backward") in traffic:
-        cells.append([("", ["(outside every module)"]), ("", []), *([("", [])] if wide else []),
-                      _traffic_cell(traffic.get((None, "forward"), {})),
-                      _traffic_cell(traffic.get((None, "backward"), {}))])
+    if {(None, "forward"), (None, "backward")} & traffic.keys():
+        cells.append([("", ["(outside every module)"]), _NONE, *([_NONE] if wide else []),
+                      *_traffic_cells(traffic, None)])
     out = [*_prose(report.title(), width), "", *_render(cells, width), ""]
     out += [line for label, text in report.totals() for line in _flow(f"{label}: {text}", width)]
     if report.lints:

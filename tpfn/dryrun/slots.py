@@ -25,7 +25,12 @@ from tpfn.interpret.parallelize import runtime
 from tpfn.interpret.state import recall
 from tpfn.layout import to_torch
 
-__all__ = ["Slots"]
+__all__ = ["Slots", "storage_of"]
+
+
+def storage_of(x):
+    """The storage of a tensor, or of a DTensor's local shard."""
+    return (local_tensor(x) if isinstance(x, DTensor) else x).untyped_storage()
 
 
 @attrs.define
@@ -76,8 +81,7 @@ def _output(label: str, output):
 class Slots:
     """Watch the slots of every bound module of ``model`` (a dry run's copy, parallelized):
     ``labels`` holds each bound module's labels of the slots it moves, in the order it moves
-    them; ``nodes`` is the list ``record`` fills alongside its collectives.
-    """
+    them; ``nodes`` is the list ``record`` fills alongside its collectives."""
 
     def __init__(self, model: nn.Module, labels: dict, nodes: list):
         self.labels, self.nodes = labels, nodes
@@ -91,29 +95,30 @@ class Slots:
         inputs = [label for label in self.labels[fqn] if label.startswith("input")]
         outputs = [label for label in self.labels[fqn] if label.startswith("output")]
         watch, names = rt.watch, rt.mount.names or ()
+        window = lambda: _Window(next_sequence_nr(), len(self.nodes))  # noqa: E731
 
         def begin(module, args):
-            self.open[fqn].append([_Window(next_sequence_nr(), len(self.nodes)), None])
+            self.open[fqn].append([window(), None])
 
         def starts(args, kwargs):  # the module's own computation starts: inputs moved
             call = self.open[fqn][-1]
             call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs])
 
+        def outputs_start(call):
+            if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
+                call[0].close(self.nodes, [None] * len(inputs))
+            call[1] = window()
+
         def watched(label, x):
             if watch is not None:
                 watch(label, x)
-            call = self.open[fqn][-1] if self.open[fqn] else None
-            if label.startswith("output") and call is not None and call[1] is None:
-                if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
-                    call[0].close(self.nodes, [None] * len(inputs))
-                call[1] = _Window(next_sequence_nr(), len(self.nodes))
+            if label.startswith("output") and self.open[fqn] and self.open[fqn][-1][1] is None:
+                outputs_start(self.open[fqn][-1])
 
         def end(module, args, output):
             call = self.open[fqn].pop()
-            if call[0].end is None:
-                call[0].close(self.nodes, [None] * len(inputs))
             if call[1] is None:
-                call[1] = _Window(next_sequence_nr(), len(self.nodes))
+                outputs_start(call)
             call[1].close(self.nodes, [_output(label, output) for label in outputs])
             self.calls[fqn].append(call)
 
@@ -163,23 +168,19 @@ class Slots:
                 continue
             seen = transitions.get(fqn, {})
             owners = self._owners(fqn, comms, seen)
-            first = self.calls[fqn][0]
-            values = dict(zip([lb for lb in labels if lb.startswith("input")], first[0].values))
-            values.update(zip([lb for lb in labels if lb.startswith("output")], first[1].values))
+            ins, outs = self.calls[fqn][0]
+            values = dict(zip([lb for lb in labels if lb.startswith("input")], ins.values))
+            values.update(zip([lb for lb in labels if lb.startswith("output")], outs.values))
             for label in labels:
                 x, t = values.get(label), seen.get(label)
                 if not isinstance(x, torch.Tensor) or t is None:
                     continue
-                if isinstance(x, DTensor):
-                    shape, storage = tuple(x.shape), local_tensor(x).untyped_storage()
-                else:
-                    shape = recall(x, to_torch(t.desired, x.ndim), mesh)
-                    storage = x.untyped_storage()
+                shape = x.shape if isinstance(x, DTensor) else recall(x, to_torch(t.desired, x.ndim), mesh)
+                storage = storage_of(x)
                 index = next((i for i, s in enumerate(storages) if s is storage), None)
                 if index is None:
                     index = len(storages)
                     storages.append(storage)
-                forward, backward = owners[label]
                 found.append(Flow(fqn, label, tuple(shape), x.dtype.itemsize, index,
-                                  tuple(forward), tuple(backward)))
+                                  *map(tuple, owners[label])))
         return tuple(found)

@@ -1,14 +1,16 @@
-"""Sizes for a person: bytes, and the collectives of one module and phase.
+"""Sizes for a person: bytes, shapes, ranks, shares, and the collectives of one module and phase.
 
->>> fmt_bytes(12288), fmt_bytes(3 * 2**30)
-('12.0 KiB', '3.0 GiB')
+>>> fmt_bytes(12288), fmt_bytes(3 * 2**30), fmt_shape((8,)), fmt_ranks(0, 2), fmt_pct(0.25)
+('12.0 KiB', '3.0 GiB', '(8,)', 'ranks 0-2', '25.0%')
 """
 
 from __future__ import annotations
 
 import sympy
 
-__all__ = ["fmt_bytes", "summary"]
+from tpfn._fqn import generalize
+
+__all__ = ["fmt_bytes", "fmt_shape", "fmt_ranks", "fmt_pct", "fmt_ratio", "summary", "runs", "grouped"]
 
 
 def fmt_bytes(n) -> str:
@@ -29,6 +31,29 @@ def fmt_bytes(n) -> str:
             return f"{value:.1f} {unit}"
 
 
+def fmt_shape(shape) -> str:
+    """``'(10, 4)'``, ``'(8,)'``: a shape of ints or sympy expressions."""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def fmt_ranks(first, last) -> str:
+    """``'rank 3'`` or ``'ranks 0-2'``."""
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def fmt_pct(x) -> str:
+    """A share as a percentage; a symbolic one as its formula; None as ``'-'``."""
+    return "-" if x is None else str(x) if sympy.sympify(x).free_symbols else f"{100 * float(x):.1f}%"
+
+
+def fmt_ratio(x) -> str:
+    """A ratio, simplified, to two decimals (``'1.00'``); a symbolic one as its formula; None as ``'-'``."""
+    if x is None:
+        return "-"
+    x = sympy.simplify(x)
+    return str(x) if x.free_symbols else f"{float(x):.2f}"
+
+
 def summary(kinds: dict) -> str:
     """The collectives of one module and phase, ``{kind: (count, bytes)}``, for a person.
 
@@ -36,3 +61,30 @@ def summary(kinds: dict) -> str:
     '1 all_reduce 28.0 KiB; 2 all_gather 1.0 MiB'
     """
     return "; ".join(f"{n} {k} {fmt_bytes(b)}" for k, (n, b) in kinds.items()) or "-"
+
+
+def runs(values) -> list:
+    """``[(value, first, last)]``: each run of equal values, by position (of ranks, say).
+
+    >>> runs([(3, 4), (3, 4), (1, 4)])
+    [((3, 4), 0, 1), ((1, 4), 2, 2)]
+    """
+    out: list = []
+    for i, value in enumerate(values):
+        if out and out[-1][0] == value:
+            out[-1][2] = i
+        else:
+            out.append([value, i, i])
+    return [tuple(run) for run in out]
+
+
+def grouped(named: list) -> list:
+    """``(name or pattern, count, value)`` of ``(name, value)`` pairs, repeated blocks once.
+
+    >>> grouped([("layers.0.w", 1), ("layers.1.w", 1), ("head", 2)])
+    [('layers.*.w', 2, 1), ('head', 1, 2)]
+    """
+    groups: dict = {}
+    for name, value in named:
+        groups.setdefault((generalize(name), repr(value)), [name, 0, value])[1] += 1
+    return [(generalize(n) if k > 1 else n, k, v) for n, k, v in groups.values()]

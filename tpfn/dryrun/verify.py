@@ -1,10 +1,10 @@
 """``verify``: run a plan on N real ranks in one call and compare every number with one device.
 
-The parent process runs the unsharded model; ``world_size`` forked child processes, one per
-rank (``tpfn.dryrun.forked``), each parallelize its own copy of the model (the parent's
-weights, so ``src_rank=None``) and run the same forward and backward. Forward hooks on every module record what it takes and
-hands on (a local shard in the layout its style declares, a DTensor in its own); the parent
-puts the shards together and compares each module's output and each parameter's gradient
+The parent process runs the unsharded model; ``world_size`` forked child processes, one per rank
+(``tpfn.dryrun.forked``), each parallelize its own copy of the model (the parent's weights, so
+``src_rank=None``) and run the same forward and backward. Forward hooks on every module record what
+it takes and hands on (a local shard in the layout its style declares, a DTensor in its own); the
+parent puts the shards together and compares each module's output and each parameter's gradient
 with one device's. The first module whose inputs agree and whose output does not is named.
 """
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 import copy
 import os
 import traceback
-from collections.abc import Mapping
 
 import attrs
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tpfn._fqn import describe, generalize
+from tpfn._fqn import describe, generalize, join
+from tpfn.dryrun.explain import floats, split_inputs, tensors
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
-from tpfn.dryrun.lints import failing_module
+from tpfn.dryrun.lints import failing_module, local_colwise
 from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
@@ -54,8 +54,7 @@ class Check:
 
     @property
     def grad(self) -> float | None:
-        errs = [e for _, e in self.grads if e is not None]
-        return max(errs) if errs else None
+        return max((e for _, e in self.grads if e is not None), default=None)
 
     def diverges(self, tolerance: float) -> bool:
         return any(e is not None and not e <= tolerance for e in (self.output, self.grad))
@@ -86,12 +85,9 @@ class Verification:
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
         lines = [f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
                  f"tolerance {self.tolerance:g} (relative)"]
-        if self.failure is not None:
-            lines.append(f"FAILED: {self.failure}")
-        elif self.ok:
-            lines.append("ok: every output and parameter gradient agrees with one device")
-        else:
-            lines.append(f"DIVERGES: {self.hint}")
+        lines.append(f"FAILED: {self.failure}" if self.failure is not None else
+                     "ok: every output and parameter gradient agrees with one device" if self.ok else
+                     f"DIVERGES: {self.hint}")
         if self.checks:
             table = [("module", "style", "output", "gradients")]
             for c in self.checks:
@@ -113,19 +109,17 @@ def _fmt(e: float | None) -> str:
 # -- what a module takes and hands on ------------------------------------------------------
 
 
-def _tensors(x) -> list:
-    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
-    return [t for item in items for t in _tensors(item)]
+def _slot(module: nn.Module, side: str, i: int):
+    """Slot ``i`` of the ``"inputs"`` or ``"outputs"`` of the style bound to ``module``, or None."""
+    mount = mounted(module)
+    slots = () if mount is None else getattr(mount, side).slots
+    return slots[i] if i < len(slots) else None
 
 
-def _layout(x, slots: tuple, i: int):
+def _layout(x, slot):
     """(local value, layout or None) of one tensor: a DTensor's own layout, else the slot's."""
     if isinstance(x, DTensor):
         return x.to_local().detach().clone(), from_torch(x.placements)[0]
-    slot = slots[i] if i < len(slots) else None
     layout = None if slot is None or slot.untouched else slot.out if slot.desired is not None \
         else slot.given
     return x.detach().clone(), layout
@@ -137,15 +131,11 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
         def pre(module, args, kwargs, fqn=fqn):
             if fqn not in seen:
                 order.append(fqn)
-            mount = mounted(module)
-            slots = mount.inputs.slots if mount is not None else ()
-            seen.setdefault(fqn, []).append(
-                [[_layout(x, slots, i) for i, x in enumerate(_tensors((args, kwargs)))], None])
+            ins = [_layout(x, _slot(module, "inputs", i)) for i, x in enumerate(tensors((args, kwargs)))]
+            seen.setdefault(fqn, []).append([ins, None])
 
         def post(module, args, kwargs, out, fqn=fqn):
-            mount = mounted(module)
-            slots = mount.outputs.slots if mount is not None else ()
-            seen[fqn][-1][1] = [_layout(x, slots, i) for i, x in enumerate(_tensors(out))]
+            seen[fqn][-1][1] = [_layout(x, _slot(module, "outputs", i)) for i, x in enumerate(tensors(out))]
 
         sub.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         sub.register_forward_hook(post, with_kwargs=True)
@@ -176,8 +166,7 @@ def _assemble(pieces: list, ref: torch.Tensor):
         return local
     if isinstance(layout, Partial):
         stack = torch.stack(local)
-        return [{"sum": stack.sum, "avg": stack.mean, "max": lambda d: stack.amax(d),
-                 "min": lambda d: stack.amin(d)}[layout.op](0)]
+        return [{"sum": stack.sum, "avg": stack.mean, "max": stack.amax, "min": stack.amin}[layout.op](0)]
     return assemble(local, layout, tuple(ref.shape))
 
 
@@ -208,17 +197,13 @@ class _Job:
     args: tuple
     kwargs: dict
     cotangents: tuple
-    rng: torch.Tensor = None  # the CPU generator's state when the reference began
+    rng: torch.Tensor  # the CPU generator's state when the reference began
 
 
 def _rank_inputs(job: _Job, model: nn.Module, rank: int, n: int):
     """The inputs a rank passes: its shard where the root's style declares the input sharded."""
-    mount = mounted(model)
-    slots = mount.inputs.slots if mount is not None else ()
-
     def mine(x, i):
-        slot = slots[i] if i < len(slots) else None
-        given = None if slot is None else slot.given
+        given = getattr(_slot(model, "inputs", i), "given", None)
         x = x.detach().clone().requires_grad_(x.requires_grad)
         if isinstance(given, Shard):
             d, k = given.dim % x.ndim, given.parts
@@ -232,24 +217,18 @@ def _rank_inputs(job: _Job, model: nn.Module, rank: int, n: int):
     return args, dict(job.kwargs)
 
 
-def _floats(out) -> list:
-    return [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
-
-
 def _whole(t, model, mesh, ref):
     """A rank's output as one differentiable global tensor, for the backward."""
     if isinstance(t, DTensor):
         return t.full_tensor()
-    mount = mounted(model)
-    slot = mount.outputs.slots[0] if mount is not None and mount.outputs.slots else None
+    slot = _slot(model, "outputs", 0)
     layout = None if slot is None or slot.untouched else slot.out
     if layout is None and t.shape != ref.shape:  # a shard of no declared layout: one dim split
         dims = [d for d in range(t.ndim) if t.ndim == ref.ndim and t.shape[d] != ref.shape[d]]
         layout = Shard(dims[0]) if len(dims) == 1 else None
     if layout is None or isinstance(layout, Replicate):
         return t
-    spec = to_torch(layout, t.ndim)
-    return DTensor.from_local(t, mesh, spec, run_check=False, shape=ref.shape,
+    return DTensor.from_local(t, mesh, to_torch(layout, t.ndim), run_check=False, shape=ref.shape,
                               stride=torch.empty(ref.shape).stride()).full_tensor()
 
 
@@ -268,16 +247,15 @@ def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> d
     phase[0] = "forward"
     seen, order = {}, []
     _record(model, seen, order)
-    out = model(*args, **kwargs)
-    floats = _floats(out)
+    outs = floats(model(*args, **kwargs))
     if callable(cotangents):
-        cotangents = cotangents(floats)
-    if len(floats) != len(cotangents):
-        raise RuntimeError(f"the model hands on {len(floats)} floating-point outputs that need "
+        cotangents = cotangents(outs)
+    if len(outs) != len(cotangents):
+        raise RuntimeError(f"the model hands on {len(outs)} floating-point outputs that need "
                            f"a gradient, {len(cotangents)} on one device")
-    if floats:
+    if outs:
         phase[0] = "backward"
-        whole = floats if mesh is None else [_whole(t, model, mesh, c) for t, c in zip(floats, cotangents)]
+        whole = outs if mesh is None else [_whole(t, model, mesh, c) for t, c in zip(outs, cotangents)]
         torch.autograd.backward(sum((w * c).sum() for w, c in zip(whole, cotangents)))
     return {"seen": seen, "order": order, "grads": _grads(model), "cotangents": cotangents}
 
@@ -285,19 +263,12 @@ def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> d
 # -- verify ---------------------------------------------------------------------------------
 
 
-def _where(exc: BaseException, model: nn.Module) -> str:
-    """`` in 'attn' (Attention)``: the innermost module of ``model`` in the traceback, or ''."""
-    found = failing_module(exc, model)
-    return "" if found is None else f" in {describe(model.get_submodule(found), found)}"
-
-
 def _on_ranks(job: _Job, n: int, timeout: float) -> dict:
     """One rank's run of ``job`` on each of ``n`` forked ranks (``tpfn.dryrun.forked``)."""
     phase, models = ["start"], {}
 
     def run(rank, mesh):
-        if job.rng is not None:
-            torch.set_rng_state(job.rng)
+        torch.set_rng_state(job.rng)
         phase[0], model = "parallelize", copy.deepcopy(job.model)
         models[rank] = model
         parallelize(model, mesh, job.plan, src_rank=None)  # the parent's weights on every rank
@@ -305,7 +276,8 @@ def _on_ranks(job: _Job, n: int, timeout: float) -> dict:
         return _run(model, args, kwargs, job.cotangents, mesh, phase)
 
     def fail(rank, exc):
-        where = _where(exc, models[rank]) if rank in models else ""
+        found = failing_module(exc, models[rank]) if rank in models else None  # innermost in the traceback
+        where = "" if found is None else f" in {describe(models[rank].get_submodule(found), found)}"
         return (f"rank {rank}: the {phase[0]} failed{where}: {type(exc).__name__}: {exc}",
                 traceback.format_exc())
 
@@ -331,17 +303,8 @@ def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
             return torch.randint(0, vocab, tuple(x), generator=gen, dtype=dtype)
         return x
 
-    if isinstance(example_inputs, Mapping):
-        return (), {k: tensor(v) for k, v in example_inputs.items()}
-    if isinstance(example_inputs, torch.Tensor) or (
-            isinstance(example_inputs, (tuple, list)) and example_inputs
-            and all(isinstance(d, int) for d in example_inputs)):
-        return (tensor(example_inputs),), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(tensor(x) for x in example_inputs), {}
-    raise TypeError(
-        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
-        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
+    return split_inputs(example_inputs, tensor,
+                        lambda x: isinstance(x, (tuple, list)) and all(isinstance(d, int) for d in x))
 
 
 def _check_plan(model: nn.Module, plan, n: int) -> None:
@@ -351,16 +314,6 @@ def _check_plan(model: nn.Module, plan, n: int) -> None:
         parallelize(copy.deepcopy(model), mesh, plan, src_rank=None)
     finally:
         release(mesh)
-
-
-def _local_colwise(fqn: str, module: nn.Module, mounts: dict) -> list:
-    """The children of ``fqn`` bound to colwise() that hand on local shards."""
-    out = []
-    for name, _ in module.named_children():
-        m = mounts.get(f"{fqn}.{name}" if fqn else name)
-        if m is not None and getattr(m.style.core, "kind", None) == "colwise" and m.outputs.local:
-            out.append((name, m.style.core.parts))
-    return out
 
 
 def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward: bool) -> str:
@@ -373,15 +326,15 @@ def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward
                 "gradient flowing back into it is wrong; check the grads= the styles after it declare.")
     head = (f"{where}{styled} diverges first: its inputs agree with one device and its output "
             f"does not (relative error {err:.1e}).")
-    local = _local_colwise(fqn, module, mounts)
+    local = [(name, local_colwise(mounts, join(fqn, name))) for name, _ in module.named_children()]
+    local = [(name, core.parts) for name, core in local if core is not None]  # colwise(), local shards
     names = ", ".join(repr(name) for name, _ in local)
     if len(local) == 1 and local[0][1] == 1:
-        return (f"{head} Hint: it splits the local output of its colwise() {names}, and each of "
-                f"the {n} ranks holds one contiguous 1/{n} of its features; a projection that packs "
-                "q, k and v (or gate and up) side by side needs colwise(parts=k), k equal parts "
-                "(for q wider than k and v: n_heads // n_kv_heads + 2 parts of n_kv_heads heads, "
-                "so that each rank holds its share of each), or a layout that groups each KV head "
-                "with its queries.")
+        return (f"{head} Hint: it splits the local output of its colwise() {names}, and each of the {n} "
+                f"ranks holds one contiguous 1/{n} of its features; a projection that packs q, k and v "
+                "(or gate and up) side by side needs colwise(parts=k), k equal parts (for q wider than "
+                "k and v: n_heads // n_kv_heads + 2 parts of n_kv_heads heads, so that each rank holds "
+                "its share of each), or a layout that groups each KV head with its queries.")
     heads = any(isinstance(getattr(module, a, None), int)
                 for a in ("n_head", "n_heads", "num_heads", "num_attention_heads"))
     if local and (heads or len(local) > 1):
@@ -445,10 +398,8 @@ def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
     floor = _floor(ref)
     checks = []
     for fqn in order:
-        sub = model.get_submodule(fqn)
-        calls = ref["seen"].get(fqn, [])
         errs = []
-        for i, (_, outs) in enumerate(calls):
+        for i, (_, outs) in enumerate(ref["seen"].get(fqn, [])):
             for j, o in enumerate(outs or ()):
                 pieces = [(r["seen"].get(fqn) or [[None, None]] * (i + 1))[i][1] for r in ranks]
                 pieces = [p[j] if p is not None and j < len(p) else None for p in pieces]
@@ -459,12 +410,12 @@ def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
             pieces = [r["grads"].get(name) for r in ranks]
             if g is None and all(p is None for p in pieces):
                 continue
-            grads.append((name.rpartition(".")[2],
-                          float("inf") if g is None else _worst(pieces, g[0], floor) if all(pieces) else float("inf")))
-        known = [e for e in errs if e is not None]
+            grads.append((name.rpartition(".")[2], float("inf") if g is None or not all(pieces)
+                           else _worst(pieces, g[0], floor)))
         style = mounts[fqn].style if fqn in mounts else None
-        checks.append(Check(fqn, type(sub).__name__, style, max(known) if known else None,
-                            tuple(grads), fqn in ref["seen"]))
+        checks.append(Check(fqn, type(model.get_submodule(fqn)).__name__, style,
+                            max((e for e in errs if e is not None), default=None), tuple(grads),
+                            fqn in ref["seen"]))
     return checks
 
 
@@ -493,8 +444,7 @@ def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
     return None
 
 
-def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, *,
-           world_size: int = 2,
+def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, *, world_size: int = 2,
            tolerance: float = TOLERANCE, dtype: torch.dtype = torch.long, seed: int = 0,
            cotangent: str = "random", timeout: float = 120.0) -> Verification:
     """Run ``plan`` on ``model`` over ``world_size`` real ranks (forked processes, gloo) and
@@ -530,8 +480,7 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
     args, kwargs = _inputs(example_inputs, dtype, model, seed)
     mounts = {m.fqn: m for m in resolve(plan, model)}
     reference, rng = copy.deepcopy(model), torch.get_rng_state()
-    ref = _run(reference, *copy.deepcopy((args, kwargs)),
-               lambda outs: _cotangents(outs, cotangent, seed))
+    ref = _run(reference, *copy.deepcopy((args, kwargs)), lambda outs: _cotangents(outs, cotangent, seed))
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
                    str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if isinstance(x, torch.Tensor))
