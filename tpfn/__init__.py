@@ -17,24 +17,13 @@ from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.interpret.prepare import prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import Partial, Replicate, Shard, to_torch
 from tpfn.plans.plan import Plan, plan, resolve
-from tpfn.style.constructors import (
-    colwise,
-    identity,
-    on_shards,
-    params,
-    prepare_in,
-    prepare_out,
-    replicate,
-    rowwise,
-    sequence_parallel,
-)
+from tpfn.style.constructors import (colwise, identity, on_shards, params, prepare_in, prepare_out,
+                                     replicate, rowwise, sequence_parallel)
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.loss import cross_entropy
 from tpfn.training.optim import param_groups
-from tpfn.training.pretrained import (
-    empty_weights, from_pretrained, load_pretrained, save_pretrained,
-)
+from tpfn.training.pretrained import empty_weights, from_pretrained, load_pretrained, save_pretrained
 
 try:
     __version__ = _metadata.version("tpfn")
@@ -48,9 +37,7 @@ __all__ = [
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "clip_grad_norm_", "param_groups",
-    "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError",
-    "from_hf",
+    "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError", "from_hf",
     "explain", "Report", "verify",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
-    "algebra", "checkpoint", "record", "rng", "trace",
-]
+    "algebra", "checkpoint", "record", "rng", "trace"]

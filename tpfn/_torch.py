@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch._C._distributed_c10d import (  # noqa: F401
-    FakeProcessGroup,
-    ProcessGroup,
-    _register_process_group as register_process_group,
-    _resolve_process_group as resolve_process_group,
-    _unregister_process_group as unregister_process_group,
-)
+    FakeProcessGroup, ProcessGroup, _register_process_group as register_process_group,
+    _resolve_process_group as resolve_process_group, _unregister_process_group as unregister_process_group)
 from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
 # per_rank(fn): ``fn`` run once per rank that ``LocalTensorMode`` simulates in one process, on
 # that rank's values of the tensors and ints that differ by rank (else called as it is): what
 # depends on the rank (its chunk of a replica), computed without communication.
 from torch.distributed._local_tensor import maybe_run_for_local_tensor as per_rank  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
@@ -26,12 +26,10 @@ from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401
 
 __all__ = [
     "FakeProcessGroup", "ProcessGroup", "register_process_group", "resolve_process_group",
-    "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor",
-    "StridedShard", "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary",
-    "MIXING", "assert_async", "current_mesh", "private_mesh", "queue_callback", "swap_in_place",
-    "in_a_graph", "local_tensor", "spec_of", "keep_mesh", "next_sequence_nr", "per_rank",
-    "rank_sizes", "simulated_shapes", "parameter",
-]
+    "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
+    "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
+    "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
+    "spec_of", "keep_mesh", "next_sequence_nr", "per_rank", "rank_sizes", "simulated_shapes", "parameter"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -92,9 +90,8 @@ def simulated_shapes(shape) -> list | None:
 
 
 def parameter(module: nn.Module, name: str):
-    """The parameter ``name`` (dotted) of ``module``, read from its owner's ``_parameters``:
-    ``Module.get_parameter`` rejects one deep-copied under ``LocalTensorMode`` (a
-    ``LocalTensor`` that no longer says it is a parameter)."""
+    """The parameter ``name`` (dotted) of ``module``, from its owner's ``_parameters``
+    (``Module.get_parameter`` rejects one deep-copied under ``LocalTensorMode``)."""
     owner, _, leaf = name.rpartition(".")
     return module.get_submodule(owner)._parameters[leaf]
 
@@ -127,12 +124,10 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
 def private_mesh(name: str, group, world_size: int, rank: int):
     """A 1-D CPU mesh over ``group``, registered under ``name`` for the functional
     collectives, that never becomes (nor needs) the default process group."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     group._set_group_name(name)
     register_process_group(name, group)
-    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,),
-                      _init_backend=False, _rank=rank)
+    mesh = DeviceMesh("cpu", torch.arange(world_size), mesh_dim_names=(name,), _init_backend=False,
+                      _rank=rank)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
     return mesh
@@ -140,8 +135,6 @@ def private_mesh(name: str, group, world_size: int, rank: int):
 
 def current_mesh():
     """The mesh of the innermost ``with mesh:`` block, or None."""
-    from torch.distributed.device_mesh import _mesh_resources
-
     return _mesh_resources.mesh_stack[-1] if _mesh_resources.mesh_stack else None
 
 
@@ -182,11 +175,6 @@ def heads_mesh(mesh, heads: int):
     whole world is viewed anew). Its process groups are made, a collective of every rank.
     A mesh of no default group (a dry run's fake one, ``tpfn.verify``'s private gloo one)
     gets groups of its own kind, made from its group's store, registered by name."""
-    import datetime
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
     n, names, group = mesh.size(), mesh.mesh_dim_names, mesh.get_group()
     replicas = n // heads
     fake = isinstance(group._get_backend(torch.device("cpu")), FakeProcessGroup)
@@ -200,8 +188,7 @@ def heads_mesh(mesh, heads: int):
     epoch = (store.add("tpfn/heads-views", 1) - 1) // callers  # this view's number, alike on all ranks
     base = f"{names[0]}-heads{heads}-{epoch}"
     grid = torch.arange(n).view(heads, replicas)
-    view = DeviceMesh("cpu", grid, mesh_dim_names=(base, base + "-replicas"), _init_backend=False,
-                      _rank=rank)
+    view = DeviceMesh("cpu", grid, mesh_dim_names=(base, base + "-replicas"), _init_backend=False, _rank=rank)
     view._dim_group_names = []
     row, column = divmod(rank, replicas)
     for name, members in zip(view.mesh_dim_names, (grid[:, column], grid[row])):

@@ -10,15 +10,12 @@ class StyleError(ValueError):
 
 
 class PlanError(ValueError):
-    """Every problem found while resolving a plan against a module, reported at once.
-
-    ``problems`` holds one line per problem; nothing was changed when this is raised.
-    """
+    """Every problem found while resolving a plan against a module, reported at once:
+    ``problems``, one line each. Nothing was changed when this is raised."""
 
     def __init__(self, problems: list):
         self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        n = len(self.problems)
+        n, lines = len(self.problems), "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"the plan cannot be applied ({n} problem{'s' * (n != 1)}):\n{lines}")
 
 
@@ -31,14 +28,10 @@ class CollectiveError(RuntimeError):
 
 
 class CheckpointError(ValueError):
-    """Every problem found checking a checkpoint against a model, reported at once.
-
-    ``problems`` holds one line per problem, each naming the key and the file; nothing
-    was changed when this is raised, on any rank.
-    """
+    """Every problem found checking a checkpoint against a model, reported at once: ``problems``, one
+    line each naming the key and the file. Nothing was changed when this is raised, on any rank."""
 
     def __init__(self, problems: list):
         self.problems = list(problems)
-        n = len(self.problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        n, lines = len(self.problems), "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"the checkpoint cannot be loaded ({n} problem{'s' * (n != 1)}):\n{lines}")

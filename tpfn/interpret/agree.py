@@ -41,9 +41,9 @@ def _fake(mesh) -> bool:
 
 
 def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str) -> tuple | None:
-    """The global shape that the ranks' local shapes of ``local`` (laid out by the torch
-    ``placements`` on the 1-D ``mesh``) make, or None where no other rank can answer (a dry
-    run's fake ranks: ``tpfn.explain`` does not count these exchanges). Ranks that ``LocalTensorMode`` simulates in one process answer at once,
+    """The global shape that the ranks' local shapes of ``local`` (laid out by the torch ``placements``
+    on the 1-D ``mesh``) make, or None where no other rank can answer (a dry run's fake ranks:
+    ``tpfn.explain`` does not count these exchanges); ranks that ``LocalTensorMode`` simulates answer
     with no collective. Every rank calls it at the same point; ``what`` names the slot."""
     n, shapes = mesh.size(), simulated_shapes(local.shape)
     if shapes is None:  # real ranks: each tells the others
@@ -59,18 +59,16 @@ def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str) -> tup
     layout, dim = from_torch(placements)[0], p.dim
     if len({s[:dim] + s[dim + 1:] for s in shapes}) > 1:
         held = ", ".join(f"rank {r}: {s}" for r, s in enumerate(shapes))
-        raise LayoutError(
-            f"{what} is declared {layout!r}, but the ranks' pieces differ beyond dim {dim} "
-            f"({held}); hand every rank its piece of one tensor, cut along dim {dim} only.")
+        raise LayoutError(f"{what} is declared {layout!r}, but the ranks' pieces differ beyond dim {dim} "
+                          f"({held}); hand every rank its piece of one tensor, cut along dim {dim} only.")
     sizes = [s[dim] for s in shapes]
     total = sum(sizes)
     split = [chunk_bounds(total, n, r)[1] for r in range(n)] if type(p) is _dt.Shard \
         else [total // n] * n  # packed parts: an even split of every part
     if sizes != split:
         held = ", ".join(f"rank {r}: {size}" for r, size in enumerate(sizes))
-        raise LayoutError(
-            f"{what} is declared {layout!r}, but the ranks hold {held} of its {total} in dim "
-            f"{dim}, which is not how {layout!r} splits {total} over {n} ranks "
-            f"({', '.join(map(str, split))}); hand rank r the piece x.chunk({n}, dim={dim})[r] "
-            "of the whole tensor x (the larger pieces first).")
+        raise LayoutError(f"{what} is declared {layout!r}, but the ranks hold {held} of its {total} in dim "
+                          f"{dim}, which is not how {layout!r} splits {total} over {n} ranks "
+                          f"({', '.join(map(str, split))}); hand rank r the piece x.chunk({n}, dim={dim})[r] "
+                          "of the whole tensor x (the larger pieces first).")
     return shapes[0][:dim] + (total,) + shapes[0][dim + 1:]

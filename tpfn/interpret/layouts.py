@@ -5,14 +5,12 @@ parts (``Shard(d, parts=(q, k, v))``: a DTensor ``Shard(d)`` of the ranks' chunk
 part, rank after rank), and describes replicated heads (``Shard(d, heads=h)``) on a 2-D
 view of the mesh. The ``Mount`` of each module knows the tpfn layout of what it placed:
 
-- ``layouts(model)``: the tpfn layout of every parameter and buffer a plan placed, by every
-  name it goes by;
+- ``layouts(model)``: the tpfn layout of every parameter and buffer a plan placed, by each of its names;
 - ``full_value(t, layout)``: the global value of a DTensor laid out ``layout`` (gathered, the
   parts put back in place), what ``full_tensor()`` is for the layouts DTensor describes;
 - ``assemble(locals, layout, shape)``: the global values the ranks' local tensors make, one
   per copy (replicated heads: one per replica), no communication;
-- ``local_value(full, layout, mesh)`` (``tpfn.interpret.prepare``): what a rank holds of a
-  global value.
+- ``local_value(full, layout, mesh)`` (``tpfn.interpret.prepare``): what a rank holds of a global value.
 
 >>> import torch
 >>> from tpfn.layout import Shard
@@ -44,13 +42,10 @@ def layouts(model: nn.Module) -> dict:
             owner, _, leaf = join(fqn, name).rpartition(".")
             sub = model.get_submodule(owner)
             placed[id(sub._parameters.get(leaf, sub._buffers.get(leaf)))] = placement
-    out = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None and id(t) in placed:
-                    out[join(prefix, name)] = placed[id(t)]
-    return out
+    return {join(prefix, name): placed[id(t)]
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for table in (module._parameters, module._buffers)
+            for name, t in table.items() if t is not None and id(t) in placed}
 
 
 def order(shape: tuple, layout: Shard, n: int, *, dim: int) -> torch.Tensor:

@@ -24,10 +24,8 @@ import torch.nn.functional as F
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import (
-    DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
-    redistribute_local_tensor, spec_of,
-)
+from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
+                         redistribute_local_tensor, spec_of)
 from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
 from tpfn.interpret.collectives import step as plain_step
@@ -36,7 +34,6 @@ from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
            "local_params", "linear", "overlapping", "unhooked", "vocab_mask", "dropout_slice"]
-
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -58,10 +55,8 @@ def failed(what: str, src, dst, error: Exception, mesh) -> CollectiveError:
 def _failed(what: str, error: Exception, mesh) -> CollectiveError:
     return CollectiveError(
         f"rank {dist.get_rank() if dist.is_initialized() else mesh.get_local_rank()}: {what} "
-        f"failed: {error}. Another rank has most likely failed "
-        "(its own error says why) or runs another plan; the wait is bounded by the process "
-        "group's timeout (init_process_group(timeout=...))."
-    )
+        f"failed: {error}. Another rank has most likely failed (its own error says why) or runs "
+        "another plan; the wait is bounded by the process group's timeout (init_process_group(timeout=...)).")
 
 
 @contextlib.contextmanager
@@ -129,12 +124,11 @@ class _Step:
 
 
 class _Inbox:
-    """Gradients handed to a move's backward apart from autograd's own, per backward (graph
-    task): a shared replica's column-wise readers' partial gradients (``_Contribute``), or
-    the input gradient of a ``linear`` that reads the move. Once all ``readers`` of this
-    forward are in, ``linear`` starts the move back (``start``) before its weight gradient;
-    the move's backward ``take``-s the result. ``seq``: the move's autograd sequence number
-    (a collective started early still belongs to it)."""
+    """Gradients handed to a move's backward apart from autograd's own, per backward (graph task): a
+    shared replica's column-wise readers' partial gradients (``_Contribute``), or the input gradient of
+    a ``linear`` that reads the move. Once all ``readers`` of this forward are in, ``linear`` starts the
+    move back (``start``) before its weight gradient; the move's backward ``take``-s the result.
+    ``seq``: the move's autograd sequence number (a collective started early still belongs to it)."""
 
     __slots__ = ("back", "what", "seq", "readers", "entries")
 
@@ -180,9 +174,7 @@ class _Move(torch.autograd.Function):
     def forward(ctx, x, forward, backward, what):
         ctx.set_materialize_grads(False)
         ctx.backward, ctx.what, ctx.inbox = backward, what, None
-        if forward is None:
-            return x.view_as(x)
-        return forward(x, what)
+        return x.view_as(x) if forward is None else forward(x, what)
 
     @staticmethod
     def backward(ctx, grad):
@@ -207,8 +199,7 @@ def _steps(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
     back = None if grad is None else placements(grad, ndim)[0]
     target = _dt.Replicate() if src.is_partial() else src
     forward = None if src == dst else _Step(mesh, src, dst, global_shape, dtype)
-    backward = None if back is None or back == target else \
-        _Step(mesh, back, target, global_shape, dtype)
+    backward = None if back is None or back == target else _Step(mesh, back, target, global_shape, dtype)
     return forward, backward
 
 
@@ -261,17 +252,7 @@ def unhooked(node, nr: int) -> tuple:
     return node, nr
 
 
-def _sharer(x: torch.Tensor, mesh):
-    """The ``_Share`` node on ``mesh`` whose output ``x`` is (through module hooks' identity
-    wrappers), or None."""
-    node, index = unhooked(x.grad_fn, x.output_nr)
-    if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
-        return node
-    return None
-
-
-def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str,
-                     cache: dict) -> torch.Tensor:
+def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str, cache: dict) -> torch.Tensor:
     """Local ``x`` (laid out ``src``) replicated, for several modules to read: the partial
     gradients of the column-wise ones are summed before one move back to ``src`` (one
     all-reduce for q, k and v, where each would otherwise send its own)."""
@@ -294,8 +275,6 @@ def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str,
 
 def _partial_to_replica(src, grad, ndim: int) -> bool:
     """Whether a slot's only move is its gradient's partial sums to a replica."""
-    if grad is None:
-        return False
     src, grad = placements(src, ndim)[0], placements(grad, ndim)[0]
     return src.is_replicate() and grad.is_partial() and grad.reduce_op == "sum"
 
@@ -313,15 +292,14 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
     if steps is None:
         forward, backward = _steps(mesh, src, dst, grad, shape, x.dtype)
         # reader: a replica whose gradient comes back partial, so maybe a shared one's reader
-        reader = forward is None and backward is not None and \
-            _partial_to_replica(src, grad, len(shape))
+        reader = forward is None and backward is not None and _partial_to_replica(src, grad, len(shape))
         steps = cache[key] = (forward, backward, reader)
     forward, backward, reader = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
         return forward(x, what) if forward else x
-    if reader:
-        node = _sharer(x, mesh)
-        if node is not None:
+    if reader:  # is x the output of a _Share on mesh (past module hooks' identity wrappers)?
+        node, index = unhooked(x.grad_fn, x.output_nr)
+        if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
             return _Contribute.apply(x, node.inbox)
     if forward is None and backward is None:
         return x

@@ -30,12 +30,9 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import (
-    dropout_slice, linear, local_params, param_slots, placements, vocab_mask,
-)
-from tpfn.interpret.prepare import (
-    convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs, shard_params, unpackable,
-)
+from tpfn.interpret.moves import dropout_slice, linear, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
+                                    shard_params, unpackable)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.layout import Partial, from_torch
@@ -57,12 +54,10 @@ class Runtime:
 
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
+        self.overlap, self.cache, self.watch, self.starts = overlap, {}, None, None
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
-        self.overlap = overlap
-        self.cache: dict = {}
-        self.watch = self.starts = None
         self.slots = param_slots(module, mount.owned) if kernel is not None else ()
         self.linear = kernel is not None and type(module) is nn.Linear and not kernel.vocab \
             and kernel.random is None and getattr(self.forward, "__func__", None) is nn.Linear.forward
@@ -87,10 +82,10 @@ class Runtime:
                                  f"input 0 of {mount.where}", exact=kernel.random == "slice")
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache, first_shape=shape,
-                                      share=kernel is None)
+                                      cache=self.cache, first_shape=shape, share=kernel is None)
         if kernel is None:
-            self._start(args, kwargs)
+            if self.starts is not None:
+                self.starts(args, kwargs)
             return self._outputs(self.forward(*args, **kwargs), None)
         first, mask = self._first(args, kwargs), None
         if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
@@ -102,7 +97,8 @@ class Runtime:
             dim = placements(kernel.output, first.ndim)[0].dim
             return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
         views = local_params(self.slots, kernel, mesh, self.cache)
-        self._start(args, kwargs)
+        if self.starts is not None:
+            self.starts(args, kwargs)
         if self.linear and len(args) == 1 and not kwargs:  # nn.Linear's forward, without a swap
             local = {name: view for _, name, view in views}
             weight, bias = (local[n] if n in local else getattr(self.module, n)
@@ -120,10 +116,6 @@ class Runtime:
         if mask is not None and isinstance(output, torch.Tensor):
             output = output.masked_fill(mask.unsqueeze(-1), 0)
         return self._outputs(output, shape)
-
-    def _start(self, args, kwargs) -> None:
-        if self.starts is not None:
-            self.starts(args, kwargs)
 
     def _first(self, args, kwargs):
         names = self.mount.names
@@ -155,9 +147,8 @@ class Runtime:
                 f"{mount.style!r} declares one output laid out {slot.given!r}; return one "
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         shape = kernel.out_shape(self.module, in_shape)
-        return convert(output, slot, self.mesh, local=mount.outputs.local,
-                       grad=self.out_grad, what=f"the output of {mount.where}",
-                       shapes=self.state.shapes, cache=self.cache, shape=shape)
+        return convert(output, slot, self.mesh, local=mount.outputs.local, grad=self.out_grad, shape=shape,
+                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache)
 
 
 def runtime(module: nn.Module) -> Runtime | None:
@@ -174,18 +165,14 @@ def mounted(module: nn.Module) -> Mount | None:
 
 def _check_mesh(mesh, src_rank) -> None:
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)), "
-            f"or given by an enclosing `with mesh:` (got {mesh!r} that is a {type(mesh)!r})."
-        )
+        raise TypeError(f"'mesh' must be a torch.distributed DeviceMesh, e.g. init_device_mesh('cpu', (2,)), "
+                        f"or given by an enclosing `with mesh:` (got {mesh!r} that is a {type(mesh)!r}).")
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
         tp = "tp" if "tp" in names else names[-1] if names else None  # innermost: the fastest links
         hint = f"mesh[{tp!r}]" if tp else "mesh['tp'] (name the dims with mesh_dim_names)"
-        raise ValueError(
-            f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}."
-        )
+        raise ValueError(f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
+                         f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}.")
     if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
                                  or not 0 <= src_rank < mesh.size()):
         raise ValueError(f"'src_rank' must be a rank of the mesh (0..{mesh.size() - 1}) or None "
@@ -194,21 +181,17 @@ def _check_mesh(mesh, src_rank) -> None:
 
 def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
     """``{fqn.name: placement}`` with one entry per parameter object, and the problems found."""
-    by_param: dict = {}
-    found = []
+    by_param, found = {}, []
     for mount in mounts:
         sub = modules[mount.fqn]
         for name, placement in mount.params:
-            param = placed_tensor(sub, name)
-            full = join(mount.fqn, name)
+            param, full = placed_tensor(sub, name), join(mount.fqn, name)
             if id(param) in by_param:
                 first, placed, first_style = by_param[id(param)]
                 if placed != placement:
-                    found.append(
-                        f"parameter {full!r} is tied to {first!r}: {first_style!r} places it "
-                        f"{placed!r} and {mount.style!r} places it {placement!r}; a tied tensor "
-                        "has one layout, so give both modules styles that agree."
-                    )
+                    found.append(f"parameter {full!r} is tied to {first!r}: {first_style!r} places it "
+                                 f"{placed!r} and {mount.style!r} places it {placement!r}; a tied tensor "
+                                 "has one layout, so give both modules styles that agree.")
                 continue
             by_param[id(param)] = (full, placement, mount.style)
             problem = unpackable(full, param.shape, placement, n)
@@ -220,23 +203,20 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
     return {full: placement for full, placement, _ in by_param.values()}, found
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh | None = None,
-                plan: Plan | dict | Style | None = None, *,
-                src_rank: int | None = 0, overlap: bool = True) -> nn.Module:
+def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
+                *, src_rank: int | None = 0, overlap: bool = True) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
-    ``mesh`` defaults to the one of the enclosing ``with mesh:`` block, as PyTorch's
-    ``parallelize_module`` does.
-    ``plan`` is a ``tpfn.plan(...)``, a dict of FQN pattern -> style, or one style for the
-    module itself. Parameters become DTensor parameters (tied ones stay one parameter); each
-    bound module's forward runs its style (see the module docstring). ``src_rank`` is the rank
-    whose parameter values every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps
-    each rank's own values and communicates nothing (for modules initialized identically, or
-    on the meta device).
+    ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
+    ``parallelize_module``. ``plan`` is a ``tpfn.plan(...)``, a dict of FQN pattern -> style, or one
+    style for the module itself. Parameters become DTensor parameters (tied ones stay one parameter);
+    each bound module's forward runs its style (see the module docstring). ``src_rank`` is the rank
+    whose parameter values every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps each rank's
+    own values and communicates nothing (for modules initialized identically, or on the meta device).
     ``overlap``: a column-wise ``nn.Linear`` whose input gradient is reduced (all-reduced, or
-    reduce-scattered under sequence parallelism) starts that collective before computing its
-    weight gradient and waits for it after, as Megatron-LM does; ``False`` waits at once
-    (the same collectives, the same numbers, bit for bit).
+    reduce-scattered under sequence parallelism) starts that collective before its weight gradient and
+    waits for it after, as Megatron-LM does; ``False`` waits at once (the same collectives, the
+    same numbers, bit for bit).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``

@@ -1,14 +1,11 @@
-"""The three functions that do the work: shard parameters, prepare inputs, prepare outputs.
+"""The three functions that do the work, none of which mutates its arguments (``parallelize``
+mounts them on modules):
 
-None of them mutates its arguments; ``parallelize`` mounts them on modules.
-
-- ``shard_params(module, mesh, rule)``: ``{name: nn.Parameter(DTensor)}`` for the named
-  parameters of ``module``, each laid out as ``rule`` says.
+- ``shard_params(module, mesh, rule)``: ``{name: nn.Parameter(DTensor)}``, laid out as ``rule`` says;
 - ``prepare_inputs(args, kwargs, spec, mesh)``: the inputs annotated with their given layout,
-  redistributed to the desired one, as local tensors or DTensors; ``spec`` is a
-  ``prepare_in(...)`` style.
+  redistributed to the desired one, as local tensors or DTensors (``spec``: ``prepare_in(...)``);
 - ``prepare_outputs(outputs, spec, mesh)``: the same for a module's outputs (a tensor, the
-  items of a tuple or list, the values of a dict), with a ``prepare_out(...)`` style.
+  items of a tuple or list, the values of a dict; ``spec``: ``prepare_out(...)``).
 
 Every slot of every mounted module goes through one function, ``convert``: a DTensor is
 checked and redistributed by DTensor; a local tensor is moved by ``tpfn.interpret.moves``
@@ -23,9 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
-
 from torch.distributed import tensor as _dt
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
@@ -37,25 +33,20 @@ from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
 from tpfn.style.style import Style
 
-__all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "convert", "checked",
-           "not_a_tensor", "unpackable"]
+__all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "convert",
+           "checked", "not_a_tensor", "unpackable"]
 
 
-def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
-                 src_rank: int | None = 0) -> dict:
+def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: int | None = 0) -> dict:
     """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout
-    map), ``{name: DTensor}`` for each buffer.
+    map), ``{name: DTensor}`` for each buffer. Dotted names reach into submodules. ``src_rank``
+    is the rank whose values every rank receives (``None``: each rank keeps its own values, no
+    communication). A parameter already a DTensor with that layout on ``mesh`` is returned as is.
 
-    Dotted names reach into submodules. ``src_rank`` is the rank whose values every rank
-    receives (``None``: each rank keeps its own values, no communication). A parameter that
-    is already a DTensor with that layout on ``mesh`` is returned as it is.
-
-    A layout DTensor has no placement for: unequal parts (``Shard(d, parts=(q, k, v))``)
-    become a DTensor ``Shard(d)`` of the ranks' chunks of every part, rank after rank;
-    heads replicated over more ranks than heads (``Shard(d, heads=h)``), a DTensor
-    ``(Shard(d), Replicate())`` on the view of ``mesh`` as ``h`` groups of ranks
-    (``tpfn._torch.heads_mesh``), exact, made once per call.
-    """
+    A layout DTensor has no placement for: unequal parts (``Shard(d, parts=(q, k, v))``) become a
+    DTensor ``Shard(d)`` of the ranks' chunks of every part, rank after rank; heads replicated over more
+    ranks than heads (``Shard(d, heads=h)``), a DTensor ``(Shard(d), Replicate())`` on the view of
+    ``mesh`` as ``h`` groups of ranks (``tpfn._torch.heads_mesh``), exact, made once per call."""
     out, views = {}, {}
     for name, layout in rule.items():
         param, is_param = _placed(module, name)
@@ -65,10 +56,9 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *,
         wanted = to_torch(layout)
         if isinstance(param, DTensor):
             if param.device_mesh != mesh or param.placements != wanted or not exact_in_torch(layout):
-                raise LayoutError(
-                    f"parameter {name!r} is already a DTensor laid out {from_torch(param.placements)} "
-                    f"on {param.device_mesh}; it cannot also be {layout!r} on {mesh}."
-                )
+                raise LayoutError(f"parameter {name!r} is already a DTensor laid out "
+                                  f"{from_torch(param.placements)} on {param.device_mesh}; it cannot "
+                                  f"also be {layout!r} on {mesh}.")
             out[name] = param
             continue
         with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
@@ -88,14 +78,11 @@ def placed_tensor(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def _placed(module: nn.Module, name: str) -> tuple:
-    """``(placed_tensor(module, name), whether it is a parameter)``: one held in the owner's
-    ``_parameters`` (not an ``isinstance`` test: a parameter deep-copied under
-    ``LocalTensorMode`` is no ``nn.Parameter``)."""
+    """``(placed_tensor(module, name), whether it is a parameter)``: one in the owner's ``_parameters``
+    (not an ``isinstance`` test: one deep-copied under ``LocalTensorMode`` is no ``nn.Parameter``)."""
     owner, _, leaf = name.rpartition(".")
     sub = module.get_submodule(owner)
-    if leaf in sub._parameters:
-        return sub._parameters[leaf], True
-    return sub.get_buffer(leaf), False
+    return (sub._parameters[leaf], True) if leaf in sub._parameters else (sub.get_buffer(leaf), False)
 
 
 def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
@@ -136,8 +123,7 @@ def _beyond_dtensor(param, mesh, layout: Shard, src_rank, views: dict) -> tuple:
 
 
 def unpackable(name: str, shape, layout, n: int) -> str | None:
-    """Why ``n`` ranks cannot hold packed parts (or heads) of parameter ``name`` evenly
-    (None: they can).
+    """Why ``n`` ranks cannot hold packed parts (or heads) of parameter ``name`` evenly (None: they can).
 
     Each rank holds its chunk of every part, so each part must split evenly over the ranks;
     unequal parts must add up to the dim; ``heads`` must split the dim into equal heads, on
@@ -176,7 +162,7 @@ def unpackable(name: str, shape, layout, n: int) -> str | None:
         return (f"parameter {name!r} packs parts of {listed} in dim {dim}: the part of {odd} "
                 f"does not split evenly over {n} ranks; pad each part to a multiple of {n}, or "
                 "choose a mesh size that divides every part.")
-    dim, parts = layout.dim % len(shape), layout.parts
+    parts = layout.parts
     if shape[dim] % (parts * n) == 0:
         return None
     if shape[dim] % parts:
@@ -199,28 +185,20 @@ def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
                           "has no placement for; hand it the local shards the projection makes.")
     if slot.given is not None and not _agree(x.placements, placements(slot.given, x.ndim)):
         current = from_torch(x.placements)[0]
-        raise LayoutError(
-            f"{what} arrives laid out {current!r} but the plan declares {slot.given!r}; "
-            f"declare {current!r} there, or redistribute it before the call."
-        )
+        raise LayoutError(f"{what} arrives laid out {current!r} but the plan declares {slot.given!r}; "
+                          f"declare {current!r} there, or redistribute it before the call.")
     return x
 
 
 def _agree(have: tuple, want: tuple) -> bool:
-    """Equal placements; DTensor's partial kinds (an embedding's masked partial) count as
-    the partial sum they are."""
-    return have == want or all(
-        h == w or (h.is_partial() and w.is_partial() and h.reduce_op == w.reduce_op)
-        for h, w in zip(have, want))
+    """Equal placements, DTensor's partial kinds (an embedding's masked partial) taken as partial sums."""
+    return have == want or all(h == w or (h.is_partial() and w.is_partial() and h.reduce_op == w.reduce_op)
+                               for h, w in zip(have, want))
 
 
 def not_a_tensor(x, slot, what: str) -> TypeError:
-    if slot.given is None:
-        layout = repr(slot.desired)
-    elif slot.desired is None:
-        layout = repr(slot.given)
-    else:
-        layout = f"{slot.given!r} -> {slot.desired!r}"
+    layout = (repr(slot.desired) if slot.given is None else repr(slot.given) if slot.desired is None
+              else f"{slot.given!r} -> {slot.desired!r}")
     return TypeError(f"{what} is declared {layout} but is {type(x).__name__}, not a tensor; "
                      "mark it None to leave it alone.")
 
@@ -251,8 +229,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
         if local and share and placements(slot.out, x.ndim)[0].is_replicate():
-            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape,
-                                    what, cache)
+            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape, what, cache)
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
@@ -289,10 +266,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
 
 
 def _spec(spec, kind, name: str, side: str):
-    if isinstance(spec, Style):
-        if not all(isinstance(s, kind) for s in spec.stages):
-            raise TypeError(f"prepare_{side}: 'spec' must be a {name}(...) style or the spec a "
-                            f"mounted module holds (got {spec!r}).")
+    if isinstance(spec, Style) and all(isinstance(s, kind) for s in spec.stages):
         return getattr(spec.normal, side)
     if not isinstance(spec, kind):
         raise TypeError(f"prepare_{side}: 'spec' must be a {name}(...) style or the spec a "
@@ -304,16 +278,12 @@ def _source(x):
     """The tensor ``x`` is, seen through module hooks' identity wrappers (each input its own):
     the autograd node and output it wraps, else ``(x, None)``."""
     node = None if torch.compiler.is_compiling() else getattr(x, "grad_fn", None)
-    if not isinstance(node, HookIdentity):
-        return x, None
-    return unhooked(node, x.output_nr)
+    return unhooked(node, x.output_nr) if isinstance(node, HookIdentity) else (x, None)
 
 
-def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *,
-                   names: tuple = (),
+def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *, names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
-                   cache: dict | None = None, first_shape: tuple | None = None,
-                   share: bool = False) -> tuple:
+                   cache: dict | None = None, first_shape: tuple | None = None, share: bool = False) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
 
     ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
@@ -330,15 +300,13 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
     """
     spec = _spec(spec, Inputs, "prepare_in", "inputs")
     if spec.arity is not None and len(args) != spec.arity:
-        raise LayoutError(
-            f"{where} is called with {len(args)} positional input{'s' * (len(args) != 1)}, "
-            f"but its plan takes exactly {spec.arity} (prepare_in(..., arity={spec.arity}): "
-            "PyTorch's PrepareModuleInput takes one input layout per positional input); "
-            "give one layout per positional input (None leaves that input alone), or pass "
-            "the other inputs by keyword.")
+        raise LayoutError(f"{where} is called with {len(args)} positional input{'s' * (len(args) != 1)}, "
+                          f"but its plan takes exactly {spec.arity} (prepare_in(..., arity={spec.arity}): "
+                          "PyTorch's PrepareModuleInput takes one input layout per positional input); give "
+                          "one layout per positional input (None leaves that input alone), or pass the "
+                          "other inputs by keyword.")
     shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
-
     done: list = []  # an input passed at several positions moves once (one gradient back)
 
     def one(x, slot, grad, what, shape=None):
@@ -370,9 +338,8 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
 def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
                     where: str = "prepare_outputs", shapes: Shapes | None = None,
                     cache: dict | None = None) -> object:
-    """``outputs`` with every output that ``spec`` names converted (a new container).
-
-    ``spec``: a ``prepare_out(...)`` style, or the ``Outputs`` of a mounted module.
+    """``outputs`` with every output that ``spec`` (a ``prepare_out(...)`` style, or the
+    ``Outputs`` of a mounted module) names converted (a new container).
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -396,12 +363,11 @@ def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
                               f"{len(spec.slots)}: give prepare_out one layout (or None) per output.")
 
     if spec.keys and not isinstance(outputs, dict):
-        raise LayoutError(
-            f"{where} returned a {type(outputs).__name__}, but the plan lays out outputs by key "
-            f"({', '.join(repr(k) for k, _ in spec.keys)}), which only a dict has; give "
-            "prepare_out one layout per position instead.")
+        raise LayoutError(f"{where} returned a {type(outputs).__name__}, but the plan lays out outputs by "
+                          f"key ({', '.join(repr(k) for k, _ in spec.keys)}), which only a dict has; give "
+                          "prepare_out one layout per position instead.")
     if isinstance(outputs, dict):
-        out = type(outputs)(outputs) if type(outputs) is not dict else dict(outputs)
+        out = type(outputs)(outputs)
         names = list(out)
         check(len(names))
         for i, slot in enumerate(spec.slots):
@@ -421,6 +387,4 @@ def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
     if len(spec.slots) > 1:
         raise LayoutError(f"{where} returned one output; the plan prepares {len(spec.slots)}: "
                           "give prepare_out one layout.")
-    if not spec.slots:
-        return outputs
-    return one(outputs, spec.slots[0], f"the output of {where}")
+    return one(outputs, spec.slots[0], f"the output of {where}") if spec.slots else outputs

@@ -136,8 +136,7 @@ class Shapes:
                 self.table.popitem(last=False)
 
     def recall(self, local, placements: tuple, mesh, what: str, exact: bool = False) -> tuple:
-        """The global shape of ``local`` arriving at the slot ``what``, as ``recall`` finds it
-        with this model's table."""
+        """The global shape of ``local`` arriving at the slot ``what``: ``recall`` with this table."""
         return recall(local, placements, mesh, self.table, what, exact)
 
 
@@ -156,8 +155,7 @@ class PartialGrads:
         self.names: dict = {}  # id(param) -> its name in the model
 
     def watch(self, param, name: str) -> None:
-        """Reduce ``param``'s (called ``name``) partial gradients in bulk at the end of each
-        backward."""
+        """Reduce ``param``'s (called ``name``) partial gradients in bulk at the end of each backward."""
         self.names[id(param)] = name
         param.register_hook(lambda grad: self._accumulating(param, grad))
         param.register_post_accumulate_grad_hook(self._accumulated)
@@ -211,5 +209,4 @@ class State:
     """What one ``parallelize`` call's modules share: shape memory and partial gradients."""
 
     def __init__(self):
-        self.shapes = Shapes()
-        self.partial_grads = PartialGrads()
+        self.shapes, self.partial_grads = Shapes(), PartialGrads()
