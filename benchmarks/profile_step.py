@@ -1,6 +1,7 @@
 """Where tpfn's step time goes, against the hand-written baseline (not part of ``run.py``).
 
-    python -m benchmarks.profile_step [reference|llama] [--sp] [--steps N]
+    python -m benchmarks.profile_step [reference|llama] [--sp] [--steps N] [--cpu]
+    python -m benchmarks.profile_step llama --layers    # HF's layer code against the hand-written
 
 On 2 gloo ranks, the same model as ``benchmarks.step_time``, tpfn's recommended plan against
 ``benchmarks.handwritten``:
@@ -15,6 +16,11 @@ On 2 gloo ranks, the same model as ``benchmarks.step_time``, tpfn's recommended 
 3. cProfile of rank 0 over the same steps, tpfn's functions grouped by what they do
    (self time, microseconds per step; cProfile inflates Python-heavy code, so read the
    groups against each other and against the profiled total).
+
+``--layers`` (Llama) instead times, in one process with no collectives, what HF's own layer
+code costs against the hand-written version's leaner layers: ``LlamaForCausalLM`` built at
+one rank's local sizes (half the heads, the MLP and the vocabulary) against
+``HandLlama`` with its collectives left out, CPU time of forward and backward, interleaved.
 """
 
 from __future__ import annotations
@@ -202,6 +208,40 @@ def _profile(model_name: str, sp: bool, steps: int, cpu: bool = False) -> dict:
             "profiles": profiles}
 
 
+def _layers(steps: int) -> dict:
+    """CPU us per step of forward and backward: HF's Llama at local sizes, the hand-written one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.handwritten import Comm, HandLlama
+
+    torch.set_num_threads(1)
+    build, _, _ = step_time._llama(False)
+    c = build().config
+    local = LlamaConfig(vocab_size=c.vocab_size // 2, hidden_size=c.hidden_size,
+                        intermediate_size=c.intermediate_size // 2, num_hidden_layers=c.num_hidden_layers,
+                        num_attention_heads=c.num_attention_heads // 2,
+                        num_key_value_heads=c.num_key_value_heads // 2, head_dim=c.head_dim,
+                        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(local)
+    hf.config._attn_implementation = "sdpa"
+    comm = Comm.__new__(Comm)  # two ranks' local sizes, no process group: nothing is sent
+    comm.group, comm.real, comm.n, comm.rank = None, False, 2, 0
+    models = {"HF layers": hf, "hand-written layers": HandLlama(build(), comm, False)}
+    tokens = torch.randint(0, local.vocab_size, (step_time.BATCH, step_time.SEQ))
+    times: dict = {k: {"forward": [], "backward": []} for k in models}
+    for i in range(steps + 3):
+        for name in (list(models) if i % 2 else list(models)[::-1]):
+            t0 = time.process_time()
+            out = models[name](tokens)
+            t1 = time.process_time()
+            getattr(out, "logits", out).float().sum().backward()
+            t2 = time.process_time()
+            if i >= 3:
+                times[name]["forward"].append(t1 - t0)
+                times[name]["backward"].append(t2 - t1)
+    return {k: {p: statistics.median(v) * 1e6 for p, v in t.items()} for k, t in times.items()}
+
+
 def main() -> None:
     from tests.ranks import Ranks
 
@@ -210,7 +250,17 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cpu", action="store_true", help="phases in CPU time, not wall time")
+    parser.add_argument("--layers", action="store_true",
+                        help="llama: HF's layer code against the hand-written layers, one process")
     args = parser.parse_args()
+    if args.layers:
+        result = _layers(args.steps)
+        print(f"== HF Llama's layers at one rank's local sizes, no collectives: CPU us, median of {args.steps}")
+        print(f"{'phase':<12}" + "".join(f"{n:>22}" for n in result) + f"{'HF - hand':>12}")
+        for phase in ("forward", "backward"):
+            v = [result[n][phase] for n in result]
+            print(f"{phase:<12}" + "".join(f"{x:>22,.0f}" for x in v) + f"{v[0] - v[1]:>12,.0f}")
+        return
     with Ranks(2) as ranks:
         result = ranks.run(_profile, args.model, args.sp, args.steps, args.cpu, timeout=900)[0]
     print(f"== {args.model}, sp {'on' if args.sp else 'off'}: phases, "
