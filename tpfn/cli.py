@@ -188,8 +188,9 @@ Repeat --input for more inputs. Positional and keyword inputs mix where the mode
 names its positional parameters."""
 
 
-def _shared(parser, shapes: str, **world_size) -> None:
-    """The arguments explain and verify share: MODEL, PLAN, --world-size, --input, --dtype."""
+def _model_plan_inputs(parser, shapes: str, world_size: dict) -> None:
+    """The arguments explain and verify share: MODEL, PLAN, --world-size (its ``add_argument``
+    options ``world_size``), --input (examples: ``shapes``), --dtype."""
     parser.add_argument("model", help="import path (package.module:name) or file (path/model.py:name) "
                         "of a module, or of a function returning one")
     parser.add_argument("plan", help="import path or file of a plan (dict, plan(), style) or a "
@@ -213,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("explain", help="dry-run a plan on fake ranks and print what it does",
                             description=textwrap.fill(__doc__.split("\n\n")[1].replace("``", ""), 79),
                             epilog=INPUTS, formatter_class=form)
-    _shared(p, "8,1024 or b,s", required=True, type=_size, help="ranks, or a name for a formula")
+    _model_plan_inputs(p, "8,1024 or b,s", dict(required=True, type=_size,
+                                                help="ranks, or a name for a formula"))
     p.add_argument("--size", action="append", type=_stand_in, default=[], metavar="NAME=VALUE",
                    help="stand-in value of a named size")
     p.add_argument("--wide", action="store_true", help="also a line per parameter and per input and "
@@ -229,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
                             "and compare each module's output and every gradient with one device. Exit "
                             "status 0 when they agree, 1 when not.",
                             epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
-    _shared(v, "8,1024", type=int, default=2, help="ranks (2)")
+    _model_plan_inputs(v, "8,1024", dict(type=int, default=2, help="ranks (2)"))
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     for command in (p, v):

@@ -24,6 +24,9 @@ gets its whole gradient, added after the reduction.
 """
 
 from __future__ import annotations
+
+import collections
+
 import torch.nn as nn
 
 from tpfn._fqn import generalize, join, matches
@@ -278,5 +281,6 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
         raise PlanError(list(dict.fromkeys(found)))  # a problem of every layer, once
     parents = [fqn.rpartition(".")[0] for fqn, string in keyed.items()  # of column-wise children
                if string in _CONSUMERS and "." in fqn and fqn not in latents]
-    styles.update({p: _SHARED for p in parents if parents.count(p) > 1 and p not in styles})
+    readers = collections.Counter(parents)
+    styles.update({p: _SHARED for p, n in readers.items() if n > 1 and p not in styles})
     return plan(_spell(styles, modules))

@@ -6,7 +6,9 @@ run is seen from rank 0. With example inputs it runs one forward and the backwar
 sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
 each collective. The user's module is never changed.
 
-Each dry run makes a fake mesh of its own (``tpfn.dryrun.fake``), and unregisters it at the end.
+Each dry run makes its own fake mesh (``tpfn.dryrun.fake``) and unregisters its group at
+the end, so ``explain`` runs inside a job whose default group is initialized, and after the
+user's own ``init_process_group``/``destroy_process_group``.
 
 Sizes may be sympy symbols (batch, sequence, the mesh size). The dry run then runs three
 times with stand-in sizes ``v``, ``v*r`` and ``v*r**2`` (``r`` a distinct prime per symbol,

@@ -379,7 +379,7 @@ class Report:
 MIN_WIDTH = 40
 _GAP = "  "
 _MORE = "  "  # the indent of a cell's continuation lines
-_NONE = ("", ())  # an empty cell
+_EMPTY_CELL = ("", ())  # an empty cell
 
 
 def _tokens(text: str) -> list:
@@ -411,9 +411,10 @@ def _traffic_cells(traffic: dict, fqn) -> list:
     """The forward and backward cells of module ``fqn``: ``1 all_reduce``, ``28.0 KiB;``, ..."""
     cells = []
     for phase in ("forward", "backward"):
-        kinds = traffic.get((fqn, phase), {})
-        tokens = [t for k, (n, b) in kinds.items() for t in (f"{n} {k}", fmt_bytes(b) + ";")]
-        cells.append(("", [*tokens[:-1], tokens[-1][:-1]] if tokens else ["-"]))
+        kinds = list(traffic.get((fqn, phase), {}).items())
+        tokens = [t for i, (k, (n, b)) in enumerate(kinds)
+                  for t in (f"{n} {k}", fmt_bytes(b) + (";" if i < len(kinds) - 1 else ""))]
+        cells.append(("", tokens or ["-"]))
     return cells
 
 
@@ -537,13 +538,13 @@ def _module_lines(row: Row, traffic: dict, wide: bool) -> list:
     style, moved = _cell("" if row.style is None else repr(row.style)), _traffic_cells(traffic, row.fqn)
     if not wide:
         return [[None, style, *moved]]
-    lines = [[None, style, _NONE, *moved]]
+    lines = [[None, style, _EMPTY_CELL, *moved]]
     for p in row.params:
         lines.append([_cell(f"  {p.name}"), _cell("-" if p.placement is None else repr(p.placement)),
-                      _cell(p.text), _NONE, _NONE])
+                      _cell(p.text), _EMPTY_CELL, _EMPTY_CELL])
     for t in row.transitions:
         lines.append([_cell(f"  {t.slot}"), _cell(f"{t.given!r} -> {t.desired!r}"),
-                      _cell(", ".join(map(repr, t.steps)) or "-"), _NONE, _NONE])
+                      _cell(", ".join(map(repr, t.steps)) or "-"), _EMPTY_CELL, _EMPTY_CELL])
     return lines
 
 
@@ -563,7 +564,7 @@ def _table(report: Report, width: int | None, wide: bool) -> list:
         lines[0][0] = ("", [name, f"({row.type})" + (f" x{n}" if n > 1 else "")])
         cells.extend(lines)
     if {(None, "forward"), (None, "backward")} & traffic.keys():
-        cells.append([("", ["(outside every module)"]), _NONE, *([_NONE] if wide else []),
+        cells.append([("", ["(outside every module)"]), _EMPTY_CELL, *([_EMPTY_CELL] if wide else []),
                       *_traffic_cells(traffic, None)])
     out = [*_prose(report.title(), width), "", *_render(cells, width), ""]
     out += [line for label, text in report.totals() for line in _flow(f"{label}: {text}", width)]

@@ -85,9 +85,12 @@ class Verification:
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
         lines = [f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
                  f"tolerance {self.tolerance:g} (relative)"]
-        lines.append(f"FAILED: {self.failure}" if self.failure is not None else
-                     "ok: every output and parameter gradient agrees with one device" if self.ok else
-                     f"DIVERGES: {self.hint}")
+        if self.failure is not None:
+            lines.append(f"FAILED: {self.failure}")
+        elif self.ok:
+            lines.append("ok: every output and parameter gradient agrees with one device")
+        else:
+            lines.append(f"DIVERGES: {self.hint}")
         if self.checks:
             table = [("module", "style", "output", "gradients")]
             for c in self.checks:

@@ -197,8 +197,12 @@ def _agree(have: tuple, want: tuple) -> bool:
 
 
 def not_a_tensor(x, slot, what: str) -> TypeError:
-    layout = (repr(slot.desired) if slot.given is None else repr(slot.given) if slot.desired is None
-              else f"{slot.given!r} -> {slot.desired!r}")
+    if slot.given is None:
+        layout = repr(slot.desired)
+    elif slot.desired is None:
+        layout = repr(slot.given)
+    else:
+        layout = f"{slot.given!r} -> {slot.desired!r}"
     return TypeError(f"{what} is declared {layout} but is {type(x).__name__}, not a tensor; "
                      "mark it None to leave it alone.")
 

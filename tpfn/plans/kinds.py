@@ -4,7 +4,8 @@ A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module an
 style governs; it returns a ``Meaning``: the built-in written as a composition of primitives
 (``params(...) >> on_shards(...)``), whether the module computes on local shards (its forward is the
 kind's own) or on DTensors in the same layouts, and the ``Kernel`` extras the primitives cannot say
-(a bias added once to partial sums, vocabulary masking, dropout noise, a forward of its own).
+(a bias added once to partial sums, vocabulary masking, dropout noise, a forward on local shards
+where the kind's own reads global sizes, as ``nn.MultiheadAttention``'s reads ``num_heads``).
 Built-ins and ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 
 >>> import torch.nn as nn
@@ -66,7 +67,9 @@ class Kernel:
 
     def out_shape(self, module: nn.Module, in_shape):
         """The global shape of the output for input 0 of global shape ``in_shape`` (None: unknown)."""
-        if in_shape is not None and self.shape is not None:
+        if in_shape is None:
+            return None
+        if self.shape is not None:
             return self.shape(module, in_shape)
         kept = self.inputs and self.inputs[0][0] == self.output  # per position: shape kept
         return in_shape if kept else None
@@ -144,7 +147,8 @@ def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
 
 def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
     return Meaning(_primitives("rowwise_linear", core.parts, module.bias is not None),
-                   local=_own_forward(module, nn.Linear), bias_once=module.bias is not None, shape=_linear_shape)
+                   local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
+                   shape=_linear_shape)
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):

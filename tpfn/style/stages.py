@@ -75,13 +75,13 @@ def _kind(instance, attribute, value):
         raise ValueError(f"'kind' must be one of {', '.join(map(repr, CORES))} (got {value!r}).")
 
 
-def _call(name: str, args: list, **options) -> str:
+def _constructor_repr(name: str, args: list, **options) -> str:
     """The constructor call ``name(*args, key=value, ...)``, leaving out the options that are None."""
     args = [*args, *(f"{k}={v!r}" for k, v in options.items() if v is not None)]
     return f"{name}({', '.join(args)})"
 
 
-def _joint(values):
+def _one_or_tuple(values):
     """One value per slot as one keyword argument: the lone value, else the tuple (None: all None)."""
     values = tuple(values)
     return None if all(v is None for v in values) else values[0] if len(values) == 1 else values
@@ -108,10 +108,11 @@ class Inputs:
     arity: object = attrs.field(default=None, validator=_arity)
 
     def __repr__(self):
-        return _call("prepare_in", [repr(s.given) for s in self.slots],
-                     desired=_joint(s.desired for s in self.slots), grads=_joint(s.grad for s in self.slots),
-                     kwargs={k: (s.given, s.desired) for k, s in self.kwargs} or None,
-                     local=self.local, arity=self.arity)
+        return _constructor_repr("prepare_in", [repr(s.given) for s in self.slots],
+                                 desired=_one_or_tuple(s.desired for s in self.slots),
+                                 grads=_one_or_tuple(s.grad for s in self.slots),
+                                 kwargs={k: (s.given, s.desired) for k, s in self.kwargs} or None,
+                                 local=self.local, arity=self.arity)
 
 
 @attrs.frozen(repr=False, cache_hash=True)
@@ -123,9 +124,10 @@ class Outputs:
     local: object = attrs.field(default=None, validator=_local)
 
     def __repr__(self):
-        return _call("prepare_out", [repr(s.desired) for s in self.slots],
-                     given=_joint(s.given for s in self.slots),
-                     keys={k: (s.given, s.desired) for k, s in self.keys} or None, local=self.local)
+        return _constructor_repr("prepare_out", [repr(s.desired) for s in self.slots],
+                                 given=_one_or_tuple(s.given for s in self.slots),
+                                 keys={k: (s.given, s.desired) for k, s in self.keys} or None,
+                                 local=self.local)
 
 
 @attrs.frozen(repr=False, cache_hash=True)
@@ -140,8 +142,8 @@ class Core:
 
     def __repr__(self):
         args = [f"dim={self.dim}"] if self.kind == "sequence_parallel" and self.dim != 1 else []
-        return _call(self.kind, args, parts=None if self.parts == 1 else self.parts, heads=self.heads,
-                     local=self.local)
+        return _constructor_repr(self.kind, args, parts=None if self.parts == 1 else self.parts,
+                                 heads=self.heads, local=self.local)
 
     @property
     def outputs(self) -> tuple:
@@ -180,8 +182,9 @@ class OnShards:
             broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
                 None if w is None else next(iter(uniform)) for w in self.wants)
             grads = next(iter(uniform)) if broadcast else self.grads
-        return _call("on_shards", [repr(w) for w in self.wants], grads=grads, output=self.output,
-                     param_grads=dict(self.param_grads) or None, local=self.local)
+        return _constructor_repr("on_shards", [repr(w) for w in self.wants], grads=grads,
+                                 output=self.output, param_grads=dict(self.param_grads) or None,
+                                 local=self.local)
 
     @property
     def outputs(self) -> tuple:

@@ -13,7 +13,8 @@ Parameters are filled in place (``torch.utils.swap_tensors``, as ``Module.to_emp
 tied parameters stay one object, filled once, and the hooks ``parallelize`` put on them (the
 partial gradients of replicated per-head norms) keep working. Buffers are taken from the
 checkpoint when it holds them; non-persistent ones (rotary ``inv_freq``) never are, so they
-must be real: build the model inside ``empty_weights()`` or on a real device.
+must be real: build the model inside ``empty_weights()`` (parameters on meta, buffers computed
+by ``__init__``, as transformers computes them) or on a real device.
 
 Everything is checked before anything changes, on every rank alike (the ranks exchange what
 they found, so all raise the same ``CheckpointError``): a missing key, an unexpected one
@@ -21,9 +22,11 @@ they found, so all raise the same ``CheckpointError``): a missing key, an unexpe
 file, a checkpoint of another model, a meta buffer with nothing to fill it. Then every slice
 is read, and only then swapped in: nothing is ever half-loaded or left on the meta device.
 
-``save_pretrained(model, path)`` is the reverse (gathered one tensor at a time, written by
-rank 0), which transformers loads on one device, bit for bit; ``from_pretrained(path, mesh)``
-builds the model on meta, parallelizes it with its own ``tp_plan`` (or ``plan=``), loads it.
+``save_pretrained(model, path)`` is the reverse: it gathers one tensor at a time and rank 0
+writes safetensors shards, their index and the model's config, which
+``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads on one device, bit for bit.
+``from_pretrained(path, mesh)`` builds the model from the checkpoint's config on meta,
+parallelizes it with its own ``tp_plan`` (``from_hf``) or ``plan=``, and loads it.
 """
 
 from __future__ import annotations
@@ -129,8 +132,8 @@ class _Checkpoint:
         for file in self.files:
             self._header(file)
         for key, file in getattr(self, "listed", {}).items():
-            unreadable = any(file in p for p in self.problems)
-            if os.path.isfile(file) and self.where.get(key) != file and not unreadable:
+            if os.path.isfile(file) and self.where.get(key) != file \
+                    and not any(file in p for p in self.problems):
                 self.problems.append(f"{INDEX} lists {key!r} in {file}, which does not hold it: the "
                                      "checkpoint is incomplete; download or save it again.")
 
