@@ -117,6 +117,8 @@ def _local(shape: tuple, placement, shown, n: int) -> tuple:
         nominal = list(shape)
         nominal[placement.dim] = sympy.sympify(shape[placement.dim]) / shown
         return ((tuple(nominal), 0, shown - 1),)
+    if placement.heads is None and all(part % n == 0 for part in placement.sizes(shape[placement.dim])):
+        return ((local_shape(shape, placement, (n,), (0,)), 0, n - 1),)  # even: one run, one call
     return tuple(units.runs([local_shape(shape, placement, (n,), (c,)) for c in range(n)]))
 
 
