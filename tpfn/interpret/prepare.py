@@ -237,6 +237,8 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
+        if local and slot.grad is not None:  # its gradient handed back as terms (grads=)
+            return terms(x, src, slot.out, grad, slot.grad, mesh, what)
         if shape is None or isinstance(shape, Guess):
             given = placements(src, x.ndim)  # a DTensor, a move, a gradient moved back: exact
             exact = not local or given != placements(slot.out, x.ndim) or (
@@ -245,8 +247,6 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
                 shape = global_shape(x, slot, mesh, shapes, what, exact=exact)
         elif not isinstance(shape, tuple):
             shape = tuple(shape)
-        if local and slot.grad is not None:  # its gradient handed back as terms (grads=)
-            return terms(x, src, slot.out, grad, slot.grad, mesh, what)
         if local and share and placements(slot.out, x.ndim)[0].is_replicate():
             return replicate_shared(x, src, mesh, shape, what, cache)
         if local:  # the fast path: local tensors all the way

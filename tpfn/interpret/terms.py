@@ -19,6 +19,8 @@ summed over the ranks). Both directions are local; nothing is communicated.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tpfn.algebra import Split, pullback, transition
@@ -54,12 +56,17 @@ def _divisor(steps, n: int, what: str, side: str) -> int:
     return n if any(s.op == "sum" for s in steps) else 1
 
 
+@functools.lru_cache(maxsize=256)  # values alone: the same for every model and mesh
+def _divisors(src, dst, grad, to, n: int, what: str) -> tuple:
+    """(forward, backward) divisors of ``terms``, the algebra's moves worked out once per slot."""
+    return (_divisor(transition(src, dst), n, what, "move"),
+            _divisor(pullback(src, dst, grad, to=to), n, what, "gradient's move"))
+
+
 def terms(x: torch.Tensor, src, dst, grad, to, mesh, what: str) -> torch.Tensor:
     """Local ``x`` laid out ``src`` -> ``dst``, its gradient arriving in ``grad`` handed back
     in ``to``; each direction may only split a replica into terms (``Split``)."""
-    n = mesh.size()
-    forward = _divisor(transition(src, dst), n, what, "move")
-    backward = _divisor(pullback(src, dst, grad, to=to), n, what, "gradient's move")
+    forward, backward = _divisors(src, dst, grad, to, mesh.size(), what)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return x if forward == 1 else x / forward
     return _Terms.apply(x, forward, backward)

@@ -256,6 +256,9 @@ def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, k
         raise ValueError(f"{where} computes on each rank's heads (colwise()), so need_weights=True would "
                          "return attention weights averaged over one rank's heads; call it with "
                          "need_weights=False (nn.TransformerEncoderLayer does), or leave it out of the plan.")
+    if is_causal and attn_mask is None:
+        raise RuntimeError(f"{where}: is_causal=True needs attn_mask too, as "
+                           "nn.MultiheadAttention does (the causal mask, a hint).")
     batched = query.dim() == 3
 
     def batch_first(x):  # (batch, sequence, features)
@@ -269,9 +272,6 @@ def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, k
         q, k, v = (F.linear(batch_first(x), wx, bx)
                    for x, wx, bx in zip((query, key, value), w.chunk(3), bs))
     q, k, v = (x.unflatten(-1, (-1, module.head_dim)).transpose(1, 2) for x in (q, k, v))
-    if is_causal and attn_mask is None:
-        raise RuntimeError(f"{where}: is_causal=True needs attn_mask too, as "
-                           "nn.MultiheadAttention does (the causal mask, a hint).")
     causal = is_causal and key_padding_mask is None
     mask = None if causal else _head_mask(attn_mask, key_padding_mask, q, module, mesh, where)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,

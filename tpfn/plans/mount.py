@@ -26,7 +26,7 @@ import torch.nn as nn
 from tpfn._fqn import describe, near
 from tpfn.errors import PlanError
 from tpfn.layout import exact_in_torch
-from tpfn.plans.kinds import Kernel, meaning
+from tpfn.plans.kinds import Kernel, Meaning, meaning
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs
 from tpfn.style.style import Style
@@ -114,8 +114,8 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
         if isinstance(row, str):
             return [row]
         expanded = _expanded(style, style.core, row.style, row.local)
-        extras = {name: getattr(row, name)
-                  for name in ("bias_once", "vocab", "random", "shape", "forward", "fits")}
+        extras = {a.name: getattr(row, a.name) for a in attrs.fields(Meaning)  # the Kernel extras
+                  if a.name not in ("style", "local")}
     found: list = []
     n = expanded.normal
     names_here = own if not bound else [name for name, _ in module.named_parameters()]
