@@ -143,11 +143,13 @@ class _GatherLast(torch.autograd.Function):
 
 
 class Comm:
-    """The collectives of one tensor-parallel group; ``real=False`` leaves every one out."""
+    """The collectives of one tensor-parallel group; ``real=False`` leaves every one out
+    (``n``, ``rank``: the group's size and this rank, by default the process group's)."""
 
-    def __init__(self, group=None, real: bool = True):
+    def __init__(self, group=None, real: bool = True, n: int | None = None, rank: int | None = None):
         self.group, self.real = group, real
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.n = dist.get_world_size(group) if n is None else n
+        self.rank = dist.get_rank(group) if rank is None else rank
 
     def copy_to(self, x):  # f
         return _CopyToTP.apply(x, self.group) if self.real else x

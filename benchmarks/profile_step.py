@@ -216,7 +216,8 @@ def _layers(steps: int) -> dict:
 
     torch.set_num_threads(1)
     build, _, _ = step_time._llama(False)
-    c = build().config
+    full = build()
+    c = full.config
     local = LlamaConfig(vocab_size=c.vocab_size // 2, hidden_size=c.hidden_size,
                         intermediate_size=c.intermediate_size // 2, num_hidden_layers=c.num_hidden_layers,
                         num_attention_heads=c.num_attention_heads // 2,
@@ -224,9 +225,8 @@ def _layers(steps: int) -> dict:
                         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False)
     hf = LlamaForCausalLM(local)
     hf.config._attn_implementation = "sdpa"
-    comm = Comm.__new__(Comm)  # two ranks' local sizes, no process group: nothing is sent
-    comm.group, comm.real, comm.n, comm.rank = None, False, 2, 0
-    models = {"HF layers": hf, "hand-written layers": HandLlama(build(), comm, False)}
+    comm = Comm(real=False, n=2, rank=0)  # two ranks' local sizes, no process group: nothing is sent
+    models = {"HF layers": hf, "hand-written layers": HandLlama(full, comm, False)}
     tokens = torch.randint(0, local.vocab_size, (step_time.BATCH, step_time.SEQ))
     times: dict = {k: {"forward": [], "backward": []} for k in models}
     for i in range(steps + 3):
