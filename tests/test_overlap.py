@@ -172,8 +172,8 @@ def _second_order():
 
 
 def test_a_second_order_gradient_is_refused(ranks2):
-    with pytest.raises(AssertionError, match="a second-order gradient .* runs through a "
-                       "column-wise linear's local shards"):
+    with pytest.raises(AssertionError, match="a second-order gradient .* runs through an "
+                       "nn.Linear.s local shards"):
         ranks2.run(_second_order)
 
 

@@ -33,7 +33,7 @@ from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
-           "local_params", "linear", "overlapping", "unhooked", "vocab_mask", "dropout_slice"]
+           "local_params", "direct", "linear", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask", "dropout_slice"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -273,6 +273,22 @@ def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str,
     return _Share.apply(x, forward, partial_back, whole_back, what, mesh)
 
 
+def shared(x: torch.Tensor, mesh) -> _Inbox | None:
+    """The inbox of the shared replica on ``mesh`` (``replicate_shared``) that ``x`` is, seen
+    past module hooks' identity wrappers; else None."""
+    node, index = unhooked(x.grad_fn, x.output_nr)
+    if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
+        return node.inbox
+    return None
+
+
+def reads_shared(src, dst, grad, mesh) -> bool:
+    """Whether a slot from ``src`` to ``dst``, its gradient arriving in ``grad``, may read a
+    shared replica as it is: a replica left so, whose gradient comes back partial."""
+    return mesh.size() > 1 and isinstance(src, Replicate) and isinstance(dst, Replicate) \
+        and isinstance(grad, Partial) and _partial_to_replica(src, grad, 1)
+
+
 def _partial_to_replica(src, grad, ndim: int) -> bool:
     """Whether a slot's only move is its gradient's partial sums to a replica."""
     src, grad = placements(src, ndim)[0], placements(grad, ndim)[0]
@@ -297,10 +313,10 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
     forward, backward, reader = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
         return forward(x, what) if forward else x
-    if reader:  # is x the output of a _Share on mesh (past module hooks' identity wrappers)?
-        node, index = unhooked(x.grad_fn, x.output_nr)
-        if isinstance(node, _Share._backward_cls) and index == 0 and node.mesh is mesh:
-            return _Contribute.apply(x, node.inbox)
+    if reader:
+        inbox = shared(x, mesh)
+        if inbox is not None:
+            return _Contribute.apply(x, inbox)
     if forward is None and backward is None:
         return x
     # Always through _Move: functional collectives differentiate themselves otherwise
@@ -322,48 +338,80 @@ def _traced_move(x, src, dst, grad, mesh, shape: tuple):
 
 
 class _Linear(torch.autograd.Function):
-    """``F.linear`` on local tensors whose input gradient a move takes (``inbox``): backward
-    hands the input gradient in and, with ``overlap``, once every reader's is in, starts the
-    move's collective, then computes the weight and bias gradients while it runs (Megatron's
-    overlap); the move's backward waits for it. The same numbers either way."""
+    """``F.linear`` on the local shards of DTensor parameters ``weight`` and ``bias``, in one
+    node: no parameter views. ``share``: the bias's share of a sum over that many ranks (it
+    is added once). Backward hands the weight and bias gradients back as DTensors laid out
+    ``specs``; the input gradient either to autograd or, where a move takes it, to its
+    ``inbox``: with ``overlap``, once every reader's is in, it starts the move's collective,
+    then computes the weight and bias gradients while it runs (Megatron's overlap); the
+    move's backward waits for it. The same numbers either way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, inbox, overlap):
+    def forward(ctx, x, weight, bias, specs, share, inbox, overlap):
         ctx.save_for_backward(x, weight)
-        ctx.inbox, ctx.overlap, ctx.bias = inbox, overlap, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.specs, ctx.inbox, ctx.overlap = specs, inbox, overlap
+        b = _local(bias)
+        return F.linear(x, _local(weight), b if share == 1 else b / share)
 
     @staticmethod
     def backward(ctx, grad):
-        _first_order("a column-wise linear's local shards")
+        _first_order("an nn.Linear's local shards")
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[0] and ctx.inbox.add(g.mm(weight).view(x.shape)) and ctx.overlap:
-            ctx.inbox.start()
-        gw = g.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        gb = g.sum(0) if ctx.bias and ctx.needs_input_grad[2] else None
-        return None, gw, gb, None, None
+        gx = g.mm(_local(weight)).view(x.shape) if ctx.needs_input_grad[0] else None
+        if gx is not None and ctx.inbox is not None:
+            if ctx.inbox.add(gx) and ctx.overlap:
+                ctx.inbox.start()
+            gx = None
+        wspec, bspec = ctx.specs
+        gw = _as(g.t().mm(x.reshape(-1, x.shape[-1])), wspec) if ctx.needs_input_grad[1] else None
+        gb = _as(g.sum(0), bspec) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias, overlap: bool) -> torch.Tensor:
-    """``nn.Linear``'s forward on local shards. Where ``x`` comes from a move whose backward
-    reduces its gradient (Megatron's f: a replica's partial sums, or a sequence shard's
-    gather), that reduction starts before the weight gradient and ends after it (``overlap``:
-    else it waits; the numbers are the same)."""
-    if torch.compiler.is_compiling():  # (reading grad_fn would break the graph)
-        return F.linear(x, weight, bias)
-    node = x.grad_fn
-    if node is None or not torch.is_grad_enabled() or type(x) is not torch.Tensor \
-            or _autocast(x.device.type):
-        return F.linear(x, weight, bias)
-    if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
-        inbox = node.inbox
-    elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
-        inbox = node.inbox = _Inbox(node.backward, node.what, node._sequence_nr())
-        inbox.readers = 1
-    else:
-        return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, inbox, overlap)
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _as(grad: torch.Tensor, spec):
+    """A parameter's gradient: a DTensor laid out ``spec``, or plain (``spec`` None)."""
+    return grad if spec is None else DTensor(grad, spec, requires_grad=False)
+
+
+def direct(x) -> bool:
+    """Whether ``linear`` takes ``x``: a plain tensor in eager code, gradients on, no autocast
+    (else the module computes on parameter views: ``local_params``)."""
+    return type(x) is torch.Tensor and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+        and not _autocast(x.device.type)
+
+
+def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cache: dict,
+           inbox: _Inbox | None = None) -> torch.Tensor:
+    """``nn.Linear``'s forward on the local shards of its parameters (``kernel``'s layouts;
+    ``cache`` keeps their gradients' specs), for an ``x`` it takes (``direct``). Where ``x``
+    comes from a move whose backward reduces its gradient (Megatron's f: a replica's partial
+    sums, ``inbox`` where the caller found it, or a sequence shard's gather), that reduction
+    starts before the weight gradient and ends after it (``overlap``: else it waits; the
+    numbers are the same)."""
+    weight, bias = module.weight, module.bias
+    if inbox is None:
+        node = x.grad_fn
+        if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
+            inbox = node.inbox
+        elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
+            inbox = node.inbox = _Inbox(node.backward, node.what, node._sequence_nr())
+            inbox.readers = 1
+    key = ("linear", spec_of(weight) if isinstance(weight, DTensor) else None,
+           spec_of(bias) if isinstance(bias, DTensor) else None)
+    found = cache.get(key)
+    if found is None:
+        grads = dict(kernel.grads)
+        specs = tuple(_grad_spec(p, grads.get(name), cache) if isinstance(p, DTensor) else None
+                      for name, p in (("weight", weight), ("bias", bias)))
+        share = mesh.size() if kernel.once == "bias" and specs[1] is not None and mesh.size() > 1 else 1
+        found = cache[key] = (specs, share)
+    specs, share = found
+    return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
 
 
 def _autocast(device: str) -> bool:
@@ -434,17 +482,22 @@ def _grads(param: DTensor, grad):
     return to_torch(grad)
 
 
-def _view(param: DTensor, grad, cache: dict):
+def _grad_spec(param: DTensor, grad, cache: dict) -> DTensorSpec:
+    """The spec of ``param``'s gradient laid out ``grad`` (None: as the parameter)."""
     grads = None if grad is None else _grads(param, grad)
+    key = (spec_of(param), grads)
+    spec = cache.get(key)
+    if spec is None:
+        spec = cache[key] = spec_of(param) if grads is None or grads == param.placements else \
+            DTensorSpec(param.device_mesh, grads, tensor_meta=spec_of(param).tensor_meta)
+    return spec
+
+
+def _view(param: DTensor, grad, cache: dict):
     if torch.compiler.is_compiling():
-        return param.to_local(grad_placements=grads)
+        return param.to_local(grad_placements=None if grad is None else _grads(param, grad))
     if param.requires_grad and torch.is_grad_enabled():
-        key = (spec_of(param), grads)
-        spec = cache.get(key)
-        if spec is None:
-            spec = cache[key] = spec_of(param) if grads is None or grads == param.placements else \
-                DTensorSpec(param.device_mesh, grads, tensor_meta=spec_of(param).tensor_meta)
-        return _View.apply(param, spec)
+        return _View.apply(param, _grad_spec(param, grad, cache))
     return local_tensor(param)
 
 

@@ -30,7 +30,8 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import dropout_slice, linear, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.moves import (direct, dropout_slice, linear, local_params, param_slots, placements, reads_shared,
+                                  shared, vocab_mask)
 from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
                                     shard_params, unpackable)
 from tpfn.interpret.rng import sharded
@@ -67,6 +68,10 @@ class Runtime:
             for i, s in enumerate(mount.inputs.slots))
         out = mount.outputs.slots[0] if kernel is not None and kernel.output is not None else None
         self.out_grad = None if out is None else cotangent(out.out)[0]
+        first = mount.inputs.slots[0] if self.linear and mount.inputs.slots else None
+        # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
+        self.reader = first is not None and not first.untouched and reads_shared(
+            first.given if first.given is not None else first.desired, first.out, self.grads[0], mesh)
 
     def __call__(self, *args, **kwargs):
         mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
@@ -75,6 +80,13 @@ class Runtime:
                 self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
             for name, _ in mount.inputs.kwargs:
                 self.watch(f"input {name!r}", kwargs.get(name))
+        if self.reader and len(args) == 1 and not kwargs and self.watch is None and self.starts is None \
+                and direct(args[0]) and args[0].requires_grad:
+            inbox = shared(args[0], mesh)
+            if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
+                inbox.readers += 1
+                return self._outputs(linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox),
+                                     tuple(args[0].shape))
         first, shape = self._first(args, kwargs), None
         if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
                 and not mount.inputs.slots[0].untouched:
@@ -96,14 +108,13 @@ class Runtime:
                 return self._outputs(first, shape)
             dim = placements(kernel.output, first.ndim)[0].dim
             return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
+        if self.linear and len(args) == 1 and not kwargs and direct(args[0]):  # one node, no views
+            if self.starts is not None:
+                self.starts(args, kwargs)
+            return self._outputs(linear(args[0], self.module, kernel, mesh, self.overlap, self.cache), shape)
         views = local_params(self.slots, kernel, mesh, self.cache)
         if self.starts is not None:
             self.starts(args, kwargs)
-        if self.linear and len(args) == 1 and not kwargs:  # nn.Linear's forward, without a swap
-            local = {name: view for _, name, view in views}
-            weight, bias = (local[n] if n in local else getattr(self.module, n)
-                            for n in ("weight", "bias"))
-            return self._outputs(linear(args[0], weight, bias, self.overlap), shape)
         saved = [(table, name, table[name]) for table, name, _ in views]
         try:
             for table, name, view in views:

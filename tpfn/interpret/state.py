@@ -35,7 +35,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import WeakTensorKeyDictionary, per_rank, queue_callback, rank_sizes
+from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, local_tensor, per_rank, queue_callback, rank_sizes,
+                         spec_of)
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.moves import collective, unhooked
@@ -46,15 +47,15 @@ TENSOR_SHAPES = WeakTensorKeyDictionary()
 """local tensor -> (key, global shape), for the local tensors that slots handed on."""
 
 
-def _key(local, placements: tuple, mesh) -> tuple:
-    return rank_sizes(local.shape), placements, mesh.size()
+def _key(local, placements: tuple, n: int) -> tuple:
+    return rank_sizes(local.shape), placements, n
 
 
-def _even(local, placements: tuple, mesh) -> tuple:
+def _even(local, placements: tuple, n: int) -> tuple:
     shape = list(local.shape)
     for p in placements:
         if p.is_shard():
-            shape[p.dim] *= mesh.size()
+            shape[p.dim] *= n
     return tuple(shape)
 
 
@@ -68,11 +69,12 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
     ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
     the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
-    if mesh.size() == 1 or not any(p.is_shard() for p in placements):  # whole on every rank
+    n = mesh.size()
+    if n == 1 or not any(p.is_shard() for p in placements):  # whole on every rank
         return tuple(local.shape)
     if torch.compiler.is_compiling():
-        return _even(local, placements, mesh)
-    key = _key(local, placements, mesh)
+        return _even(local, placements, n)
+    key = _key(local, placements, n)
     mine = TENSOR_SHAPES.get(local)
     if mine is not None and mine[0] == key and not (exact and isinstance(mine[1], Guess)):
         return mine[1]
@@ -90,7 +92,7 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
         if shape is not None:
             TENSOR_SHAPES[local] = (key, shape)
             return shape
-    return Guess(table[key] if table is not None and key in table else _even(local, placements, mesh))
+    return Guess(table[key] if table is not None and key in table else _even(local, placements, n))
 
 
 _DEPTH = 6  # autograd nodes walked back from a tensor to one a slot handed on, hooks aside
@@ -123,8 +125,9 @@ class Shapes:
     def remember(self, local, placements: tuple, global_shape, mesh) -> None:
         if torch.compiler.is_compiling():  # a compiled graph would guard on the memory
             return
-        if mesh.size() > 1 and any(p.is_shard() for p in placements):  # one rank: all whole
-            key = _key(local, placements, mesh)
+        n = mesh.size()
+        if n > 1 and any(p.is_shard() for p in placements):  # one rank: all whole
+            key = _key(local, placements, n)
             shape = global_shape if type(global_shape) is tuple else (
                 Guess(global_shape) if isinstance(global_shape, Guess) else tuple(global_shape))
             TENSOR_SHAPES[local] = (key, shape)
@@ -191,17 +194,21 @@ class PartialGrads:
         for (_, placements, _), params in groups.items():
             grads = [p.grad for p in params]
             mesh = grads[0].device_mesh
-            flat = torch.cat([g.to_local().reshape(-1) for g in grads])
+            flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])
             names = ", ".join(self.names.get(id(p), "?") for p in params)
             for dim, placement in enumerate(placements):
                 if placement.is_partial() and mesh.size(dim) > 1:
                     with collective(f"the all-reduce of the partial gradients of {names} at the "
                                     "end of the backward", mesh):
-                        flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
-            replicated = [Replicate() if p.is_partial() else p for p in placements]
-            for param, grad, piece in zip(params, grads, flat.split([g.to_local().numel() for g in grads])):
-                param.grad = DTensor.from_local(piece.view_as(grad.to_local()), mesh, replicated,
-                                                run_check=False, shape=grad.shape, stride=grad.stride())
+                        if type(flat) is torch.Tensor and flat.device.type != "meta":  # in place
+                            mesh.get_group(dim).allreduce(flat).wait()
+                        else:  # a simulated rank's (LocalTensorMode) or a dry run's
+                            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+            replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
+            pieces = flat.split([local_tensor(g).numel() for g in grads])
+            for param, grad, piece in zip(params, grads, pieces):
+                spec = DTensorSpec(mesh, replicated, tensor_meta=spec_of(grad).tensor_meta)
+                param.grad = DTensor(piece.view(local_tensor(grad).shape), spec, requires_grad=False)
                 self.reduced[id(param)] = placements
 
 
