@@ -76,9 +76,9 @@ def _llama(sp: bool):
                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             layer + "mlp": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         })
-    # tpfn's own plan keeps the residual stream local: the embeddings' output is replicated,
-    # so Llama computes its positions and mask from the whole sequence, and the first layer
-    # takes its slice of it (backward: one all-gather, as the reduce-scatter's would be).
+    # tpfn's own plan keeps the residual stream local: the embeddings' output stays partial
+    # sums of the whole sequence, from which Llama computes its positions and mask, and the
+    # first layer reduce-scatters them (backward: one all-gather), as hand-written code does.
     recommended = _llama_sp_plan(layer) if sp else None  # else from_hf(model.tp_plan, model)
     return build, native, recommended
 
@@ -87,11 +87,11 @@ def _llama_sp_plan(layer: str) -> dict:
     """tpfn's sequence-parallel plan for HF Llama: the residual stream and the norms on local
     slices of the sequence, attention's and the MLP's input gathered once (q, k, v and
     gate, up share it), their outputs reduce-scattered."""
-    from tpfn import Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
+    from tpfn import Partial, Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
 
     return {
-        "model.embed_tokens": rowwise(),
-        "model.layers.0": prepare_in(Replicate(), desired=Shard(1), local=True),
+        "model.embed_tokens": rowwise() >> prepare_out(Partial()),
+        "model.layers.0": prepare_in(Partial(), desired=Shard(1), local=True),
         layer + "input_layernorm": sequence_parallel(local=True),
         layer + "post_attention_layernorm": sequence_parallel(local=True),
         layer + "self_attn": prepare_in(kwargs={"hidden_states": (Shard(1), Replicate())}, local=True),

@@ -239,22 +239,21 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     else:
         if local and slot.grad is not None:  # its gradient handed back as terms (grads=)
             return terms(x, src, slot.out, grad, slot.grad, mesh, what)
+        given, out = placements(src, x.ndim), placements(slot.out, x.ndim)
         if shape is None or isinstance(shape, Guess):
-            given = placements(src, x.ndim)  # a DTensor, a move, a gradient moved back: exact
-            exact = not local or given != placements(slot.out, x.ndim) or (
-                grad is not None and placements(grad, x.ndim) != given)
+            # a DTensor, a move, a gradient moved back: exact (as global_shape decides)
+            exact = not local or given != out or (grad is not None and placements(grad, x.ndim) != given)
             if shape is None or exact:
-                shape = global_shape(x, slot, mesh, shapes, what, exact=exact)
+                shape = shapes.recall(x, given, mesh, what, exact)
         elif not isinstance(shape, tuple):
             shape = tuple(shape)
-        if local and share and placements(slot.out, x.ndim)[0].is_replicate():
+        if local and share and out[0].is_replicate():
             return replicate_shared(x, src, mesh, shape, what, cache)
         if local:  # the fast path: local tensors all the way
-            out = move(x, src, slot.out, grad, mesh, shape, what, cache)
-            shapes.remember(out, placements(slot.out, out.ndim), shape, mesh)
-            return out
-        dt = DTensor.from_local(x, mesh, placements(src, x.ndim), run_check=False,
-                                shape=shape, stride=contiguous_strides(shape))
+            moved = move(x, src, slot.out, grad, mesh, shape, what, cache)
+            shapes.remember(moved, out, shape, mesh)
+            return moved
+        dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape, stride=contiguous_strides(shape))
     if slot.desired is not None:
         wanted, current = placements(slot.desired, x.ndim), dt.placements
         if wanted != current:  # a no-op redistribute would reduce partial gradients

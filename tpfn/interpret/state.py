@@ -51,6 +51,13 @@ def _key(local, placements: tuple, n: int) -> tuple:
     return rank_sizes(local.shape), placements, n
 
 
+def _sharded(placements: tuple) -> bool:
+    for p in placements:
+        if p.is_shard():
+            return True
+    return False
+
+
 def _even(local, placements: tuple, n: int) -> tuple:
     shape = list(local.shape)
     for p in placements:
@@ -69,8 +76,10 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
     ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
     the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
+    if not _sharded(placements):  # whole on every rank
+        return tuple(local.shape)
     n = mesh.size()
-    if n == 1 or not any(p.is_shard() for p in placements):  # whole on every rank
+    if n == 1:
         return tuple(local.shape)
     if torch.compiler.is_compiling():
         return _even(local, placements, n)
@@ -123,10 +132,10 @@ class Shapes:
         self.size, self.table = size, collections.OrderedDict()
 
     def remember(self, local, placements: tuple, global_shape, mesh) -> None:
-        if torch.compiler.is_compiling():  # a compiled graph would guard on the memory
-            return
+        if not _sharded(placements) or torch.compiler.is_compiling():
+            return  # whole on every rank; or compiled (a graph would guard on the memory)
         n = mesh.size()
-        if n > 1 and any(p.is_shard() for p in placements):  # one rank: all whole
+        if n > 1:  # one rank: all whole
             key = _key(local, placements, n)
             shape = global_shape if type(global_shape) is tuple else (
                 Guess(global_shape) if isinstance(global_shape, Guess) else tuple(global_shape))
