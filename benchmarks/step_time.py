@@ -208,7 +208,7 @@ def run(quick: bool = False) -> Table:
                    "tpfn recommended ms", "no overlap ms", "hand-written ms", "compute alone ms",
                    "same / native", "recommended / native", "overlap / no overlap",
                    "tpfn / hand-written", "no overlap / hand-written", "tpfn / compute"])
-    steps = 5 if quick else 30
+    steps = 5 if quick else 60
     spreads, overlaps = [], []
     with Ranks(2) as ranks:
         for model, sp, fused in itertools.product(("reference", "llama"), (False, True),

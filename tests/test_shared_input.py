@@ -124,3 +124,26 @@ def _only_some_readers():
 
 def test_one_reader_alone_gets_its_gradient_reduced(ranks2):
     assert ranks2.run(_only_some_readers)[0] <= TOL
+
+
+def _graph():
+    """The autograd nodes each projection adds: its output's node and that node's inputs."""
+    tp = tpfn.parallelize(QKV(False), mesh(2), {"": prepare_in(Replicate(), local=True), **PLAN})
+    seen = {}
+
+    def look(module, args, out):
+        inputs = [type(n).__name__ for n, _ in out.grad_fn.next_functions if n is not None]
+        seen[module] = (type(out.grad_fn).__name__, inputs)
+
+    for child in (tp.q, tp.o):
+        child.register_forward_hook(look)
+    tp(torch.randn(2, 6, 8, requires_grad=True))
+    return seen[tp.q], seen[tp.o]
+
+
+def test_each_linear_is_one_autograd_node_over_its_parameters(ranks2):
+    q, o = ranks2.run(_graph)[0]
+    # q reads the shared replica as it is: no move of its own, no parameter views
+    assert q == ("_LinearBackward", ["_ShareBackward", "AccumulateGrad", "AccumulateGrad"])
+    # o: its output's all-reduce, over one node for the linear and its bias (added once)
+    assert o == ("_MoveBackward", ["_LinearBackward"])

@@ -32,8 +32,9 @@ from tpfn.interpret.collectives import step as plain_step
 from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
-__all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots",
-           "local_params", "direct", "linear", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask", "dropout_slice"]
+__all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots", "local_params",
+           "direct", "linear", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask",
+           "dropout_slice"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -348,17 +349,17 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, specs, share, inbox, overlap):
-        ctx.save_for_backward(x, weight)
+        w, b = _local(weight), _local(bias)
+        ctx.save_for_backward(x, w)
         ctx.specs, ctx.inbox, ctx.overlap = specs, inbox, overlap
-        b = _local(bias)
-        return F.linear(x, _local(weight), b if share == 1 else b / share)
+        return F.linear(x, w, b if share == 1 else b / share)
 
     @staticmethod
     def backward(ctx, grad):
         _first_order("an nn.Linear's local shards")
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        gx = g.mm(_local(weight)).view(x.shape) if ctx.needs_input_grad[0] else None
+        gx = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         if gx is not None and ctx.inbox is not None:
             if ctx.inbox.add(gx) and ctx.overlap:
                 ctx.inbox.start()
@@ -421,7 +422,8 @@ def _autocast(device: str) -> bool:
 def overlapping(node) -> int | None:
     """Where the running backward ``node`` is a ``linear``'s: the sequence number of the move
     whose collective it starts before its weight gradient; else None."""
-    return node.inbox.seq if isinstance(node, _Linear._backward_cls) else None
+    linear_node = isinstance(node, _Linear._backward_cls) and node.inbox is not None
+    return node.inbox.seq if linear_node else None
 
 
 class _View(torch.autograd.Function):

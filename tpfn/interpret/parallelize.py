@@ -30,8 +30,8 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import (direct, dropout_slice, linear, local_params, param_slots, placements, reads_shared,
-                                  shared, vocab_mask)
+from tpfn.interpret.moves import (direct, dropout_slice, linear, local_params, param_slots, placements,
+                                  reads_shared, shared, vocab_mask)
 from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
                                     shard_params, unpackable)
 from tpfn.interpret.rng import sharded
@@ -68,7 +68,8 @@ class Runtime:
             for i, s in enumerate(mount.inputs.slots))
         out = mount.outputs.slots[0] if kernel is not None and kernel.output is not None else None
         self.out_grad = None if out is None else cotangent(out.out)[0]
-        first = mount.inputs.slots[0] if self.linear and mount.inputs.slots else None
+        first = mount.inputs.slots[0] if self.linear and mount.inputs.slots \
+            and mount.inputs.arity in (None, 1) else None
         # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
         self.reader = first is not None and not first.untouched and reads_shared(
             first.given if first.given is not None else first.desired, first.out, self.grads[0], mesh)
@@ -85,8 +86,8 @@ class Runtime:
             inbox = shared(args[0], mesh)
             if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
                 inbox.readers += 1
-                return self._outputs(linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox),
-                                     tuple(args[0].shape))
+                out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox)
+                return self._outputs(out, tuple(args[0].shape))
         first, shape = self._first(args, kwargs), None
         if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
                 and not mount.inputs.slots[0].untouched:

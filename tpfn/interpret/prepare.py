@@ -253,7 +253,8 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
             moved = move(x, src, slot.out, grad, mesh, shape, what, cache)
             shapes.remember(moved, out, shape, mesh)
             return moved
-        dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape, stride=contiguous_strides(shape))
+        dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape,
+                                stride=contiguous_strides(shape))
     if slot.desired is not None:
         wanted, current = placements(slot.desired, x.ndim), dt.placements
         if wanted != current:  # a no-op redistribute would reduce partial gradients

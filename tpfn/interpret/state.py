@@ -35,8 +35,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, local_tensor, per_rank, queue_callback, rank_sizes,
-                         spec_of)
+from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, local_tensor, per_rank, queue_callback,
+                         rank_sizes, spec_of)
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.moves import collective, unhooked
@@ -76,10 +76,8 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
     ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
     ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
     the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
-    if not _sharded(placements):  # whole on every rank
-        return tuple(local.shape)
-    n = mesh.size()
-    if n == 1:
+    n = mesh.size() if _sharded(placements) else 1
+    if n == 1:  # whole on every rank
         return tuple(local.shape)
     if torch.compiler.is_compiling():
         return _even(local, placements, n)
