@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_step [reference|llama] [--sp] [--steps N] [--cpu]
     python -m benchmarks.profile_step llama --layers    # HF's layer code against the hand-written
+    python -m benchmarks.profile_step llama --sp --fake   # each version's own work, deterministic
 
 On 2 gloo ranks, the same model as ``benchmarks.step_time``, tpfn's recommended plan against
 ``benchmarks.handwritten``:
@@ -16,6 +17,10 @@ On 2 gloo ranks, the same model as ``benchmarks.step_time``, tpfn's recommended 
 3. cProfile of rank 0 over the same steps, tpfn's functions grouped by what they do
    (self time, microseconds per step; cProfile inflates Python-heavy code, so read the
    groups against each other and against the profiled total).
+
+``--fake`` instead times forward and backward in this one process, as rank 0 of 2 on a fake
+process group: the same calls, collectives included, with no other rank to wait for, so the
+difference is tpfn's own work (steadier than any figure measured across two processes).
 
 ``--layers`` (Llama) instead times, in one process with no collectives, what HF's own layer
 code costs against the hand-written version's leaner layers: ``LlamaForCausalLM`` built at
@@ -242,6 +247,49 @@ def _layers(steps: int) -> dict:
     return {k: {p: statistics.median(v) * 1e6 for p, v in t.items()} for k, t in times.items()}
 
 
+def _fake(model_name: str, sp: bool, steps: int) -> dict:
+    """CPU us per step of forward and backward, tpfn against the hand-written version, as rank 0
+    of 2 on a fake process group in this process: every collective is the same call with no
+    other rank to wait for, so the gap is each version's own work, undisturbed by the other."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        models = _build(model_name, sp)
+        gen = torch.Generator().manual_seed(0)
+        tokens, target = (torch.randint(0, step_time.VOCAB, (step_time.BATCH, step_time.SEQ), generator=gen)
+                          for _ in range(2))
+        times: dict = {k: {"forward": [], "backward": []} for k in models}
+        for i in range(steps + 3):
+            for name in (list(models) if i % 2 else list(models)[::-1]):
+                model, finish = models[name], getattr(models[name], "finish_backward", None)
+                model.zero_grad(set_to_none=True)
+                t0 = time.process_time()
+                loss = step_time._loss(model, tokens, target)
+                t1 = time.process_time()
+                loss.backward()
+                if finish is not None:
+                    finish()
+                t2 = time.process_time()
+                if i >= 3:
+                    times[name]["forward"].append(t1 - t0)
+                    times[name]["backward"].append(t2 - t1)
+    finally:
+        dist.destroy_process_group()
+    return {k: {p: statistics.median(v) * 1e6 for p, v in t.items()} for k, t in times.items()}
+
+
+def _print_two(title: str, result: dict) -> None:
+    names = list(result)
+    print(title)
+    print(f"{'phase':<12}" + "".join(f"{n:>22}" for n in names) + f"{'difference':>12}")
+    for phase in ("forward", "backward"):
+        v = [result[n][phase] for n in names]
+        print(f"{phase:<12}" + "".join(f"{x:>22,.0f}" for x in v) + f"{v[0] - v[1]:>12,.0f}")
+
+
 def main() -> None:
     from tests.ranks import Ranks
 
@@ -252,14 +300,16 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="phases in CPU time, not wall time")
     parser.add_argument("--layers", action="store_true",
                         help="llama: HF's layer code against the hand-written layers, one process")
+    parser.add_argument("--fake", action="store_true",
+                        help="each version's own work: rank 0 of 2 on a fake process group, one process")
     args = parser.parse_args()
     if args.layers:
-        result = _layers(args.steps)
-        print(f"== HF Llama's layers at one rank's local sizes, no collectives: CPU us, median of {args.steps}")
-        print(f"{'phase':<12}" + "".join(f"{n:>22}" for n in result) + f"{'HF - hand':>12}")
-        for phase in ("forward", "backward"):
-            v = [result[n][phase] for n in result]
-            print(f"{phase:<12}" + "".join(f"{x:>22,.0f}" for x in v) + f"{v[0] - v[1]:>12,.0f}")
+        _print_two(f"== HF Llama's layers at one rank's local sizes, no collectives: CPU us, median of "
+                   f"{args.steps}", _layers(args.steps))
+        return
+    if args.fake:
+        _print_two(f"== {args.model}, sp {'on' if args.sp else 'off'}, rank 0 of 2 on a fake process group: "
+                   f"CPU us, median of {args.steps}", _fake(args.model, args.sp, args.steps))
         return
     with Ranks(2) as ranks:
         result = ranks.run(_profile, args.model, args.sp, args.steps, args.cpu, timeout=900)[0]
