@@ -286,8 +286,8 @@ def shared(x: torch.Tensor, mesh) -> _Inbox | None:
 def reads_shared(src, dst, grad, mesh) -> bool:
     """Whether a slot from ``src`` to ``dst``, its gradient arriving in ``grad``, may read a
     shared replica as it is: a replica left so, whose gradient comes back partial."""
-    return mesh.size() > 1 and isinstance(src, Replicate) and isinstance(dst, Replicate) \
-        and isinstance(grad, Partial) and _partial_to_replica(src, grad, 1)
+    return isinstance(src, Replicate) and isinstance(dst, Replicate) and isinstance(grad, Partial) \
+        and grad.op == "sum" and mesh.size() > 1
 
 
 def _partial_to_replica(src, grad, ndim: int) -> bool:
