@@ -12,6 +12,7 @@ both match one device. Every case where a reader's gradient goes missing or come
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpfn
@@ -175,6 +176,27 @@ def test_a_second_order_gradient_is_refused(ranks2):
     with pytest.raises(AssertionError, match="a second-order gradient .* runs through an "
                        "nn.Linear.s local shards"):
         ranks2.run(_second_order)
+
+
+def _frozen_second_order():
+    """Frozen linears on a one-rank mesh: no move and no parameter gradient, plain ops."""
+    groups = [torch.distributed.new_group([r]) for r in range(torch.distributed.get_world_size())]
+    one = DeviceMesh.from_group(groups[torch.distributed.get_rank()], "cpu")
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).requires_grad_(False)
+    tp = tpfn.parallelize(clone(ref), one, {"0": colwise(), "2": rowwise()})
+    penalties = []
+    for model in (ref, tp):
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        (g,) = torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.pow(2).sum(), x)
+        penalties.append(h)
+    return rel_err(*penalties)
+
+
+def test_frozen_linears_with_nothing_to_move_differentiate_twice(ranks2):
+    for error in ranks2.run(_frozen_second_order):
+        assert error <= TOL
 
 
 def test_overlap_must_be_a_bool():

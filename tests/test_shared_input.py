@@ -13,7 +13,7 @@ import torch.nn as nn
 import tpfn
 from tests.models import clone, counts, max_rel_err, rel_err
 from tests.ranks import mesh
-from tpfn import Replicate, Shard, colwise, prepare_in, rowwise
+from tpfn import Partial, Replicate, Shard, colwise, prepare_in, rowwise
 
 # One forward and backward against one device (no optimizer step): sharding reorders float32
 # sums only, a few ulps (worst measured here 2.4e-7); a missing or doubled reduction is off by
@@ -135,15 +135,21 @@ def _graph():
         inputs = [type(n).__name__ for n, _ in out.grad_fn.next_functions if n is not None]
         seen[module] = (type(out.grad_fn).__name__, inputs)
 
-    for child in (tp.q, tp.o):
+    # a reader whose gradient goes back as terms (grads=) keeps its slot's own move
+    terms = tpfn.parallelize(QKV(False), mesh(2), {
+        "": prepare_in(Replicate(), local=True), **PLAN,
+        "q": prepare_in(Replicate(), grads=Partial(), local=True) >> colwise()})
+    for child in (tp.q, tp.o, terms.q):
         child.register_forward_hook(look)
     tp(torch.randn(2, 6, 8, requires_grad=True))
-    return seen[tp.q], seen[tp.o]
+    terms(torch.randn(2, 6, 8, requires_grad=True))
+    return seen[tp.q], seen[tp.o], seen[terms.q]
 
 
 def test_each_linear_is_one_autograd_node_over_its_parameters(ranks2):
-    q, o = ranks2.run(_graph)[0]
+    q, o, terms_q = ranks2.run(_graph)[0]
     # q reads the shared replica as it is: no move of its own, no parameter views
     assert q == ("_LinearBackward", ["_ShareBackward", "AccumulateGrad", "AccumulateGrad"])
     # o: its output's all-reduce, over one node for the linear and its bias (added once)
     assert o == ("_MoveBackward", ["_LinearBackward"])
+    assert terms_q == ("_LinearBackward", ["_TermsBackward", "AccumulateGrad", "AccumulateGrad"])

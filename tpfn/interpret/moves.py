@@ -393,7 +393,8 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     comes from a move whose backward reduces its gradient (Megatron's f: a replica's partial
     sums, ``inbox`` where the caller found it, or a sequence shard's gather), that reduction
     starts before the weight gradient and ends after it (``overlap``: else it waits; the
-    numbers are the same)."""
+    numbers are the same). Frozen parameters with nothing handed in: plain ``F.linear`` on
+    their local tensors, which a second-order gradient differentiates again."""
     weight, bias = module.weight, module.bias
     if inbox is None:
         node = x.grad_fn
@@ -412,6 +413,9 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         share = mesh.size() if kernel.once == "bias" and specs[1] is not None and mesh.size() > 1 else 1
         found = cache[key] = (specs, share)
     specs, share = found
+    if inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
+        b = _local(bias)  # frozen, nothing handed in: plain ops, which differentiate twice
+        return F.linear(x, _local(weight), b if share == 1 else b / share)
     return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
 
 

@@ -71,7 +71,7 @@ class Runtime:
         first = mount.inputs.slots[0] if self.linear and mount.inputs.slots \
             and mount.inputs.arity in (None, 1) else None
         # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
-        self.reader = first is not None and not first.untouched and reads_shared(
+        self.reader = first is not None and not first.untouched and first.grad is None and reads_shared(
             first.given if first.given is not None else first.desired, first.out, self.grads[0], mesh)
 
     def __call__(self, *args, **kwargs):
