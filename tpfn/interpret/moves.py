@@ -290,12 +290,6 @@ def reads_shared(src, dst, grad, mesh) -> bool:
         and grad.op == "sum" and mesh.size() > 1
 
 
-def _partial_to_replica(src, grad, ndim: int) -> bool:
-    """Whether a slot's only move is its gradient's partial sums to a replica."""
-    src, grad = placements(src, ndim)[0], placements(grad, ndim)[0]
-    return src.is_replicate() and grad.is_partial() and grad.reduce_op == "sum"
-
-
 def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, cache: dict):
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
     (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
@@ -308,9 +302,7 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
     steps = cache.get(key)
     if steps is None:
         forward, backward = _steps(mesh, src, dst, grad, shape, x.dtype)
-        # reader: a replica whose gradient comes back partial, so maybe a shared one's reader
-        reader = forward is None and backward is not None and _partial_to_replica(src, grad, len(shape))
-        steps = cache[key] = (forward, backward, reader)
+        steps = cache[key] = (forward, backward, reads_shared(src, dst, grad, mesh))
     forward, backward, reader = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
         return forward(x, what) if forward else x
@@ -349,10 +341,9 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, specs, share, inbox, overlap):
-        w, b = _local(weight), _local(bias)
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(x, _local(weight))
         ctx.specs, ctx.inbox, ctx.overlap = specs, inbox, overlap
-        return F.linear(x, w, b if share == 1 else b / share)
+        return _local_linear(x, weight, bias, share)
 
     @staticmethod
     def backward(ctx, grad):
@@ -372,6 +363,12 @@ class _Linear(torch.autograd.Function):
 
 def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _local_linear(x, weight, bias, share: int):
+    """``F.linear`` on the parameters' local tensors, the bias divided by ``share``."""
+    b = _local(bias)
+    return F.linear(x, _local(weight), b if share == 1 else b / share)
 
 
 def _as(grad: torch.Tensor, spec):
@@ -414,8 +411,7 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         found = cache[key] = (specs, share)
     specs, share = found
     if inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
-        b = _local(bias)  # frozen, nothing handed in: plain ops, which differentiate twice
-        return F.linear(x, _local(weight), b if share == 1 else b / share)
+        return _local_linear(x, weight, bias, share)  # frozen, nothing handed in: differentiable twice
     return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
 
 
