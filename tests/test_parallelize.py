@@ -19,7 +19,7 @@ from tests.models import (
 )
 from tests.ranks import mesh
 from tpfn import (
-    Partial, Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel,
+    Partial, Replicate, Shard, colwise, params, prepare_in, prepare_out, rowwise, sequence_parallel,
 )
 
 # Tolerances. Everything is float32; the figures are relative errors (||a - b|| / ||b||),
@@ -470,6 +470,36 @@ def _meta_device_deferred_init():
 
 def test_meta_device_modules_parallelize_then_materialize(ranks2):
     assert all(ranks2.run(_meta_device_deferred_init))
+
+
+def test_a_meta_model_gets_the_parameters_distribute_tensor_gives_it():
+    """On the meta device there are no values to send: each parameter is built at once, and
+    is what ``distribute_tensor`` would give it (uneven shards, frozen, bfloat16, negative dims)."""
+    from tpfn.dryrun import fake_mesh
+    m = fake_mesh(3)
+    plan = {"0": colwise(), "2": rowwise(), "3": params(weight=Shard(-1))}
+
+    def build(device):
+        with torch.device(device):
+            model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 7), nn.LayerNorm(7))
+        model[2].bias.requires_grad_(False)
+        return model.to(torch.bfloat16)
+
+    meta, cpu = build("meta"), build("cpu")
+    tpfn.parallelize(meta, m, plan)
+    layouts = {"0.weight": TShard(0), "0.bias": TShard(0), "2.weight": TShard(1), "2.bias": TReplicate(),
+               "3.weight": TShard(0)}
+    for name, param in meta.named_parameters():
+        if name not in layouts:
+            assert type(param) is nn.Parameter and param.is_meta and not isinstance(param, DTensor), name
+            continue
+        layout = layouts[name]
+        want = distribute_tensor(cpu.get_parameter(name).detach().to("meta"), m, [layout])
+        assert isinstance(param, nn.Parameter) and isinstance(param, DTensor) and param.is_meta, name
+        assert (param._spec, param.requires_grad) == (want._spec, cpu.get_parameter(name).requires_grad), name
+        local = param.to_local()
+        assert (local.shape, local.stride(), local.dtype) == \
+            (want.to_local().shape, want.to_local().stride(), torch.bfloat16), name
 
 
 def _errors():

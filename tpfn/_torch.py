@@ -18,6 +18,8 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor as per_ra
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.nn.modules.dropout import _DropoutNd as DropoutNd  # noqa: F401
 from torch.nn.modules import batchnorm, pooling
@@ -29,7 +31,7 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "next_sequence_nr", "per_rank", "rank_sizes", "simulated_shapes", "parameter"]
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "per_rank", "rank_sizes", "simulated_shapes", "parameter"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -113,6 +115,15 @@ def keep_mesh(dt, mesh):
     if dt.device_mesh is not mesh:
         dt._spec = DTensorSpec(mesh, dt._spec.placements, tensor_meta=dt._spec.tensor_meta)
     return dt
+
+
+def meta_dtensor(tensor: torch.Tensor, mesh, placements) -> DTensor:
+    """The DTensor ``distribute_tensor`` makes of a meta tensor, without splitting it and
+    scattering nothing: a meta local tensor of this rank's shape, built at once."""
+    placements = tuple(type(p)(p.dim % tensor.ndim) if type(p) is Shard else p for p in placements)
+    shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
+    return DTensor(torch.empty(shape, dtype=tensor.dtype, device="meta"), spec, requires_grad=tensor.requires_grad)
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, per_rank
+from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, meta_dtensor, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
 from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared, unhooked
@@ -61,11 +61,12 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: i
                                   f"also be {layout!r} on {mesh}.")
             out[name] = param
             continue
-        with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
-            if exact_in_torch(layout):
-                dt, on = distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh
-            else:
-                dt, on = _beyond_dtensor(param, mesh, layout, src_rank, views)
+        if param.is_meta and exact_in_torch(layout):  # no values to send: its DTensor at once
+            dt, on = meta_dtensor(param, mesh, wanted), mesh
+        else:
+            with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
+                dt, on = (distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh) \
+                    if exact_in_torch(layout) else _beyond_dtensor(param, mesh, layout, src_rank, views)
         if is_param:
             dt = nn.Parameter(dt, requires_grad=param.requires_grad)
         out[name] = keep_mesh(dt, on)
