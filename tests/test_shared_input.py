@@ -126,6 +126,39 @@ def test_one_reader_alone_gets_its_gradient_reduced(ranks2):
     assert ranks2.run(_only_some_readers)[0] <= TOL
 
 
+class _NoGradK(QKV):
+    """k read without gradients, in the middle of a forward that q and v differentiate."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = self.k(x).sigmoid()
+        return self.o(self.q(x) * gate + self.v(x))
+
+
+def _a_reader_without_gradients():
+    m = mesh(2)
+    ref = _NoGradK(False)
+    tp = tpfn.parallelize(clone(ref), m, {"": prepare_in(Replicate(), local=True), **PLAN})
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, 8, requires_grad=True)
+    mine = x.detach().clone().requires_grad_()
+    comm = counts(lambda: tp(mine).pow(2).sum().backward())
+    ref(x).pow(2).sum().backward()
+    with torch.no_grad():  # and a whole forward without gradients
+        error = rel_err(tp(mine), ref(x))
+    ref_params = dict(ref.named_parameters())
+    assert all((p.grad is None) == name.startswith("k.") == (ref_params[name].grad is None)
+               for name, p in tp.named_parameters())
+    grads = [rel_err(p.grad, ref_params[name].grad) for name, p in tp.named_parameters() if p.grad is not None]
+    return comm, max(rel_err(mine.grad, x.grad), error, *grads)
+
+
+def test_a_reader_without_gradients_is_not_waited_for(ranks2):
+    comm, error = ranks2.run(_a_reader_without_gradients)[0]
+    assert error <= TOL
+    assert comm == {"all_reduce": 2}  # o's forward, and q and v's one backward reduction
+
+
 def _graph():
     """The autograd nodes each projection adds: its output's node and that node's inputs."""
     tp = tpfn.parallelize(QKV(False), mesh(2), {"": prepare_in(Replicate(), local=True), **PLAN})

@@ -164,8 +164,7 @@ def _transitions(mount, seen, ran: bool) -> tuple:
         if slot.untouched or (ran and label not in seen):
             continue  # left alone, or not passed in the run
         layout, ndim = seen.get(label, (None, None))
-        given = layout[0] if layout is not None else (
-            slot.given if slot.given is not None else slot.desired)
+        given = layout[0] if layout is not None else slot.source
         desired = slot.desired if slot.desired is not None else given
         if ndim is not None:
             given, desired = normalize(given, ndim)[0], normalize(desired, ndim)[0]

@@ -377,10 +377,9 @@ def _as(grad: torch.Tensor, spec):
 
 
 def direct(x) -> bool:
-    """Whether ``linear`` takes ``x``: a plain tensor in eager code, gradients on, no autocast
-    (else the module computes on parameter views: ``local_params``)."""
-    return type(x) is torch.Tensor and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-        and not _autocast(x.device.type)
+    """Whether ``linear`` takes ``x``: a plain tensor in eager code, no autocast (else the
+    module computes on parameter views: ``local_params``)."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and not _autocast(x.device.type)
 
 
 def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cache: dict,
@@ -390,10 +389,12 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     comes from a move whose backward reduces its gradient (Megatron's f: a replica's partial
     sums, ``inbox`` where the caller found it, or a sequence shard's gather), that reduction
     starts before the weight gradient and ends after it (``overlap``: else it waits; the
-    numbers are the same). Frozen parameters with nothing handed in: plain ``F.linear`` on
-    their local tensors, which a second-order gradient differentiates again."""
+    numbers are the same). Without gradients, or frozen parameters with nothing handed in:
+    plain ``F.linear`` on their local tensors (which a second-order gradient differentiates
+    again)."""
     weight, bias = module.weight, module.bias
-    if inbox is None:
+    grad = torch.is_grad_enabled()
+    if inbox is None and grad:
         node = x.grad_fn
         if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
             inbox = node.inbox
@@ -410,7 +411,7 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         share = mesh.size() if kernel.once == "bias" and specs[1] is not None and mesh.size() > 1 else 1
         found = cache[key] = (specs, share)
     specs, share = found
-    if inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
+    if not grad or inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
         return _local_linear(x, weight, bias, share)  # frozen, nothing handed in: differentiable twice
     return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
 

@@ -72,7 +72,7 @@ class Runtime:
             and mount.inputs.arity in (None, 1) else None
         # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
         self.reader = first is not None and not first.untouched and first.grad is None and reads_shared(
-            first.given if first.given is not None else first.desired, first.out, self.grads[0], mesh)
+            first.source, first.out, self.grads[0], mesh)
 
     def __call__(self, *args, **kwargs):
         mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
@@ -82,7 +82,7 @@ class Runtime:
             for name, _ in mount.inputs.kwargs:
                 self.watch(f"input {name!r}", kwargs.get(name))
         if self.reader and len(args) == 1 and not kwargs and self.watch is None and self.starts is None \
-                and direct(args[0]) and args[0].requires_grad:
+                and direct(args[0]) and args[0].requires_grad and torch.is_grad_enabled():
             inbox = shared(args[0], mesh)
             if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
                 inbox.readers += 1

@@ -216,7 +216,7 @@ def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = Fals
     (``tpfn.interpret.agree``), or all raise the same ``LayoutError``."""
     if isinstance(x, DTensor):
         return tuple(x.shape)
-    given = placements(slot.given or slot.desired, x.ndim)
+    given = placements(slot.source, x.ndim)
     exact = exact or given != placements(slot.out, x.ndim)
     return shapes.recall(x, given, mesh, what, exact)
 
@@ -230,7 +230,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     gradients once (``tpfn.interpret.moves.replicate_shared``)."""
     if x is None or slot.untouched:
         return x
-    src = slot.given if slot.given is not None else slot.desired
+    src = slot.source
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
         if local and share and placements(slot.out, x.ndim)[0].is_replicate():

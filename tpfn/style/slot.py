@@ -44,6 +44,11 @@ class Slot:
         return f"Slot(given={self.given!r}, desired={self.desired!r}{grad})"
 
     @property
+    def source(self):
+        """The layout a plain tensor arriving here is taken to be in (``given``, else ``desired``)."""
+        return self.given if self.given is not None else self.desired
+
+    @property
     def out(self):
         """The layout after this slot (None: untouched)."""
         return self.given if self.desired is None else self.desired
