@@ -33,7 +33,7 @@ from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots", "local_params",
-           "direct", "linear", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask",
+           "direct", "linear", "writable", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask",
            "dropout_slice"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
@@ -93,22 +93,23 @@ class _Step:
         self.plain = plain_step(src, dst, mesh, shape)
         self.specs = (_spec(mesh, src, shape, dtype), _spec(mesh, dst, shape, dtype))
 
-    def __call__(self, x: torch.Tensor, what: str) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, what: str, owned: bool = False) -> torch.Tensor:
+        """``x`` moved (``owned``: the caller's own tensor, which a sum may reuse)."""
         try:
             if self.plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
-                return self.plain(x)
+                return self.plain(x, owned=owned)
             return redistribute_local_tensor(x.contiguous(), *self.specs)
         except RuntimeError as error:
             raise self._failed(what, error) from error
 
-    def start(self, x: torch.Tensor, what: str):
+    def start(self, x: torch.Tensor, what: str, owned: bool = False):
         """The move started, its collective left running: a function that waits for it and
         returns the result (a move that DTensor's path makes is done before this returns)."""
         if self.plain is None or type(x) is not torch.Tensor or x.device.type == "meta":
             done = self(x, what)
             return lambda: done
         try:
-            finish = self.plain(x, wait=False)
+            finish = self.plain(x, wait=False, owned=owned)
         except RuntimeError as error:
             raise self._failed(what, error) from error
 
@@ -136,14 +137,15 @@ class _Inbox:
     def __init__(self, back, what: str, seq: int):
         self.back, self.what, self.seq, self.readers, self.entries = back, what, seq, 0, {}
 
-    def add(self, grad: torch.Tensor) -> bool:
-        """Add one reader's ``grad``; True once every reader's is in."""
+    def add(self, grad: torch.Tensor, owned: bool = False) -> bool:
+        """Add one reader's ``grad`` (``owned``: made by the reader, held by no one else);
+        True once every reader's is in."""
         task = torch._C._current_graph_task_id()
         entry = self.entries.get(task)
         if entry is None:
-            entry = self.entries[task] = [grad, 0, None]
+            entry = self.entries[task] = [grad, 0, None, owned]
         else:
-            entry[0] = entry[0] + grad
+            entry[0], entry[3] = entry[0] + grad, True
         entry[1] += 1
         return entry[1] == self.readers
 
@@ -151,17 +153,17 @@ class _Inbox:
         """Start the move back of this backward's summed gradient."""
         entry = self.entries[torch._C._current_graph_task_id()]
         if self.back is not None:
-            entry[2] = self.back.start(entry[0], f"the gradient of {self.what}")
+            entry[2] = self.back.start(entry[0], f"the gradient of {self.what}", entry[3])
 
     def take(self):
         """This backward's summed gradient moved back (None: no reader handed one in)."""
         entry = self.entries.pop(torch._C._current_graph_task_id(), None)
         if entry is None:
             return None
-        summed, _, pending = entry
+        summed, _, pending, owned = entry
         if pending is not None:
             return pending()
-        return summed if self.back is None else self.back(summed, f"the gradient of {self.what}")
+        return summed if self.back is None else self.back(summed, f"the gradient of {self.what}", owned)
 
 
 def _plus(a, b):
@@ -172,17 +174,22 @@ class _Move(torch.autograd.Function):
     """One transition forward, its dual backward, on local tensors."""
 
     @staticmethod
-    def forward(ctx, x, forward, backward, what):
+    def forward(ctx, x, forward, backward, what, owned=False):
         ctx.set_materialize_grads(False)
         ctx.backward, ctx.what, ctx.inbox = backward, what, None
-        return x.view_as(x) if forward is None else forward(x, what)
+        if forward is None:
+            return x.view_as(x)
+        out = forward(x, what, owned)
+        if out is x:  # summed in place: the caller's own tensor
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         _first_order(ctx.what)
         if grad is not None and ctx.backward is not None:
             grad = ctx.backward(grad, f"the gradient of {ctx.what}")
-        return _plus(grad, None if ctx.inbox is None else ctx.inbox.take()), None, None, None
+        return _plus(grad, None if ctx.inbox is None else ctx.inbox.take()), None, None, None, None
 
 
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
@@ -290,11 +297,14 @@ def reads_shared(src, dst, grad, mesh) -> bool:
         and grad.op == "sum" and mesh.size() > 1
 
 
-def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, cache: dict):
+def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, cache: dict,
+         owned: bool = False):
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
     (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
-    errors; ``cache`` keeps the specs of moves on ``mesh`` seen before. A replica shared by
-    several readers (``replicate_shared``) takes a partial gradient and reduces it once."""
+    errors; ``cache`` keeps the specs of moves on ``mesh`` seen before; ``owned``: ``x`` is
+    the caller's own, held by no one else, so a sum may write it (Megatron's g, in place). A
+    replica shared by several readers (``replicate_shared``) takes a partial gradient and
+    reduces it once."""
     shape = tuple(global_shape)
     if torch.compiler.is_compiling():
         return _traced_move(x, src, dst, grad, mesh, shape)
@@ -305,7 +315,7 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
         steps = cache[key] = (forward, backward, reads_shared(src, dst, grad, mesh))
     forward, backward, reader = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return forward(x, what) if forward else x
+        return forward(x, what, owned) if forward else x
     if reader:
         inbox = shared(x, mesh)
         if inbox is not None:
@@ -314,7 +324,7 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
         return x
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
-    return _Move.apply(x, forward, backward, what)
+    return _Move.apply(x, forward, backward, what, owned)
 
 
 def _traced_move(x, src, dst, grad, mesh, shape: tuple):
@@ -352,7 +362,7 @@ class _Linear(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         gx = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         if gx is not None and ctx.inbox is not None:
-            if ctx.inbox.add(gx) and ctx.overlap:
+            if ctx.inbox.add(gx, owned=True) and ctx.overlap:
                 ctx.inbox.start()
             gx = None
         wspec, bspec = ctx.specs
@@ -366,9 +376,23 @@ def _local(t):
 
 
 def _local_linear(x, weight, bias, share: int):
-    """``F.linear`` on the parameters' local tensors, the bias divided by ``share``."""
-    b = _local(bias)
-    return F.linear(x, _local(weight), b if share == 1 else b / share)
+    """``F.linear`` on the parameters' local tensors, the bias divided by ``share``. Where
+    nothing differentiates it, a 3-D output is a tensor of its own (``F.linear``'s is a view
+    of its matrix product there: the same ``addmm``, into a tensor a move may then sum in place)."""
+    w, b = _local(weight), _local(bias)
+    b = b if share == 1 or b is None else b / share
+    if x.dim() != 3 or b is None or torch.is_grad_enabled() or not x.is_contiguous() \
+            or any(type(t) is not torch.Tensor or t.dtype != x.dtype or t.is_meta for t in (x, w, b)):
+        return F.linear(x, w, b)  # (simulated ranks' tensors, meta and mixed dtypes: as they were)
+    out = x.new_empty((*x.shape[:-1], w.shape[0]))
+    torch.addmm(b, x.view(-1, x.shape[-1]), w.t(), out=out.view(-1, w.shape[0]))
+    return out
+
+
+def writable(out: torch.Tensor) -> bool:
+    """Whether ``linear``'s output ``out`` is its own (no view autograd tracks), which the
+    caller's move may sum in place."""
+    return not (torch.is_grad_enabled() and out._is_view())
 
 
 def _as(grad: torch.Tensor, spec):

@@ -31,7 +31,7 @@ from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
 from tpfn.interpret.moves import (direct, dropout_slice, linear, local_params, param_slots, placements,
-                                  reads_shared, shared, vocab_mask)
+                                  reads_shared, shared, vocab_mask, writable)
 from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
                                     shard_params, unpackable)
 from tpfn.interpret.rng import sharded
@@ -87,7 +87,7 @@ class Runtime:
             if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
                 inbox.readers += 1
                 out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox)
-                return self._outputs(out, tuple(args[0].shape))
+                return self._outputs(out, tuple(args[0].shape), owned=writable(out))
         first, shape = self._first(args, kwargs), None
         if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
                 and not mount.inputs.slots[0].untouched:
@@ -112,7 +112,8 @@ class Runtime:
         if self.linear and len(args) == 1 and not kwargs and direct(args[0]):  # one node, no views
             if self.starts is not None:
                 self.starts(args, kwargs)
-            return self._outputs(linear(args[0], self.module, kernel, mesh, self.overlap, self.cache), shape)
+            out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache)
+            return self._outputs(out, shape, owned=writable(out))
         views = local_params(self.slots, kernel, mesh, self.cache)
         if self.starts is not None:
             self.starts(args, kwargs)
@@ -125,8 +126,8 @@ class Runtime:
         finally:
             for table, name, param in saved:
                 table[name] = param
-        if mask is not None and isinstance(output, torch.Tensor):
-            output = output.masked_fill(mask.unsqueeze(-1), 0)
+        if mask is not None and isinstance(output, torch.Tensor):  # a new tensor: its move may write it
+            return self._outputs(output.masked_fill(mask.unsqueeze(-1), 0), shape, owned=True)
         return self._outputs(output, shape)
 
     def _first(self, args, kwargs):
@@ -138,8 +139,9 @@ class Runtime:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, self.mount.names[0]: x}
 
-    def _outputs(self, output, in_shape):
-        """The module's output through its slots; a kernel's through its declared layout."""
+    def _outputs(self, output, in_shape, owned: bool = False):
+        """The module's output through its slots; a kernel's through its declared layout
+        (``owned``: a tensor this forward made, which its move may write)."""
         mount, kernel = self.mount, self.mount.kernel
         if self.watch is not None:
             items = list(output.values()) if isinstance(output, dict) else (
@@ -160,7 +162,8 @@ class Runtime:
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         shape = kernel.out_shape(self.module, in_shape)
         return convert(output, slot, self.mesh, local=mount.outputs.local, grad=self.out_grad, shape=shape,
-                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache)
+                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache,
+                       owned=owned)
 
 
 def runtime(module: nn.Module) -> Runtime | None:

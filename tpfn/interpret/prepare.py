@@ -222,12 +222,13 @@ def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = Fals
 
 
 def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
-            shape=None, share: bool = False):
+            shape=None, share: bool = False, owned: bool = False):
     """One input or output through its slot: a local tensor (``local``) or a DTensor in the
     slot's layout. A local tensor handed on gets its gradient back in ``grad`` (None: it
     needs none); ``shape`` is the global shape where the caller knows it better; ``share``:
     a local replica handed on is shared by several modules, which reduce their partial
-    gradients once (``tpfn.interpret.moves.replicate_shared``)."""
+    gradients once (``tpfn.interpret.moves.replicate_shared``); ``owned``: ``x`` is the
+    caller's own (a linear's fresh output), which a local move's sum may write."""
     if x is None or slot.untouched:
         return x
     src = slot.source
@@ -251,7 +252,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
         if local and share and out[0].is_replicate():
             return replicate_shared(x, src, mesh, shape, what, cache)
         if local:  # the fast path: local tensors all the way
-            moved = move(x, src, slot.out, grad, mesh, shape, what, cache)
+            moved = move(x, src, slot.out, grad, mesh, shape, what, cache, owned)
             shapes.remember(moved, out, shape, mesh)
             return moved
         dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape,
