@@ -20,7 +20,7 @@ from tests.models import (
     clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
 )
 from tests.ranks import mesh
-from tpfn import Replicate, colwise, prepare_in, rowwise
+from tpfn import Replicate, colwise, prepare_in, prepare_out, rowwise
 
 # One forward and backward against one device: sharding reorders float32 sums only (a few
 # ulps); a lost or doubled reduction is off by order 1.
@@ -224,6 +224,7 @@ def _forward_copies():
     found = {}
     for name, shape, grad, frozen in (("3-D", (2, 5, 12), True, False), ("2-D", (10, 12), True, False),
                                       ("no grad", (2, 5, 12), False, False),
+                                      ("inference mode", (2, 5, 12), None, False),
                                       ("frozen, 3-D", (2, 5, 12), True, True)):
         ref = _mlp()
         tp = tpfn.parallelize(clone(ref), m, {"0": colwise(), "2": rowwise()})
@@ -231,7 +232,7 @@ def _forward_copies():
             model[2].requires_grad_(not frozen)
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
         mine = x.detach().clone().requires_grad_()
-        with torch.set_grad_enabled(grad), _Copies() as seen:
+        with torch.inference_mode() if grad is None else torch.set_grad_enabled(grad), _Copies() as seen:
             out = tp(mine)
         errors = [rel_err(out, ref(x))]
         if grad:
@@ -257,4 +258,26 @@ def test_a_row_wise_linear_sums_its_own_output_in_place(ranks2):
         assert error <= TOL, name
     assert {name: ops for name, (ops, _) in found.items()} == {
         "3-D": ["allreduce_"], "2-D": ["allreduce_"], "no grad": ["allreduce_"],
-        "frozen, 3-D": ["clone", "allreduce_"]}
+        "inference mode": ["allreduce_"], "frozen, 3-D": ["clone", "allreduce_"]}
+
+
+def _empty_shard():
+    """Linear(12, 1) column-wise on 2 ranks: rank 1 holds no output feature."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = nn.Linear(12, 1)
+    tp = tpfn.parallelize(clone(ref), m, colwise() >> prepare_out(Replicate()))
+    x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    mine = x.detach().clone().requires_grad_()
+    with torch.no_grad():
+        errors = [rel_err(tp(mine), ref(x))]
+    tp(mine).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    return max(errors + [rel_err(mine.grad, x.grad), rel_err(tp.weight.grad, ref.weight.grad),
+                         rel_err(tp.bias.grad, ref.bias.grad)]), tuple(tp.weight.to_local().shape)
+
+
+def test_a_rank_holding_no_columns_computes_an_empty_shard(ranks2):
+    results = ranks2.run(_empty_shard)
+    assert [shape for _, shape in results] == [(1, 12), (0, 12)]
+    assert max(error for error, _ in results) <= TOL

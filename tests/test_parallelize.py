@@ -472,34 +472,43 @@ def test_meta_device_modules_parallelize_then_materialize(ranks2):
     assert all(ranks2.run(_meta_device_deferred_init))
 
 
-def test_a_meta_model_gets_the_parameters_distribute_tensor_gives_it():
-    """On the meta device there are no values to send: each parameter is built at once, and
-    is what ``distribute_tensor`` would give it (uneven shards, frozen, bfloat16, negative dims)."""
-    from tpfn.dryrun import fake_mesh
-    m = fake_mesh(3)
-    plan = {"0": colwise(), "2": rowwise(), "3": params(weight=Shard(-1))}
+def _meta_against_cpu(m) -> list:
+    """The parameters whose DTensor differs between a meta model and its CPU twin, both
+    parallelized on ``m``: uneven and empty shards, packed parts, negative dims, frozen, bfloat16."""
+    plan = {"0": colwise(), "2": rowwise(), "3": params(weight=Shard(-1)),
+            "4": params(weight=Shard(-1, parts=2)), "5": colwise()}
 
     def build(device):
         with torch.device(device):
-            model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 7), nn.LayerNorm(7))
+            model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 7), nn.LayerNorm(7),
+                                  nn.Linear(12, 6), nn.Linear(8, 1))  # 5: one row, none on rank 1 of 2
         model[2].bias.requires_grad_(False)
-        return model.to(torch.bfloat16)
+        return tpfn.parallelize(model.to(torch.bfloat16), m, plan, src_rank=None)
 
     meta, cpu = build("meta"), build("cpu")
-    tpfn.parallelize(meta, m, plan)
-    layouts = {"0.weight": TShard(0), "0.bias": TShard(0), "2.weight": TShard(1), "2.bias": TReplicate(),
-               "3.weight": TShard(0)}
-    for name, param in meta.named_parameters():
-        if name not in layouts:
-            assert type(param) is nn.Parameter and param.is_meta and not isinstance(param, DTensor), name
-            continue
-        layout = layouts[name]
-        want = distribute_tensor(cpu.get_parameter(name).detach().to("meta"), m, [layout])
-        assert isinstance(param, nn.Parameter) and isinstance(param, DTensor) and param.is_meta, name
-        assert (param._spec, param.requires_grad) == (want._spec, cpu.get_parameter(name).requires_grad), name
-        local = param.to_local()
-        assert (local.shape, local.stride(), local.dtype) == \
-            (want.to_local().shape, want.to_local().stride(), torch.bfloat16), name
+    differ = []
+    for (name, p), q in zip(meta.named_parameters(), cpu.parameters()):
+        local, want = (p.to_local(), q.to_local()) if isinstance(q, DTensor) else (p, q)
+        if not (isinstance(p, nn.Parameter) and p.is_meta and type(p) is type(q)
+                and getattr(p, "_spec", None) == getattr(q, "_spec", None) and p.requires_grad == q.requires_grad
+                and (local.shape, local.stride(), local.dtype) == (want.shape, want.stride(), want.dtype)):
+            differ.append(name)
+    return differ
+
+
+def test_a_meta_model_gets_the_parameters_its_cpu_twin_gets():
+    """On the meta device there are no values to send: each parameter's DTensor is built at
+    once, and is the one ``distribute_tensor`` gives the same parameter on the CPU."""
+    from tpfn.dryrun import fake_mesh
+    assert _meta_against_cpu(fake_mesh(3)) == []
+
+
+def _meta_on_two_ranks():
+    return _meta_against_cpu(mesh(2))
+
+
+def test_a_meta_models_last_rank_gets_its_smaller_and_empty_shards(ranks2):
+    assert ranks2.run(_meta_on_two_ranks) == [[], []]
 
 
 def _errors():

@@ -9,6 +9,7 @@ gradient and every parameter's) and by its exact collective count.
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpfn
 from tests.models import clone, counts, max_rel_err, rel_err
@@ -142,7 +143,9 @@ def _a_reader_without_gradients():
     torch.manual_seed(1)
     x = torch.randn(2, 6, 8, requires_grad=True)
     mine = x.detach().clone().requires_grad_()
-    comm = counts(lambda: tp(mine).pow(2).sum().backward())
+    loss = tp(mine).pow(2).sum()
+    with _Ops() as seen:
+        comm = counts(loss.backward)
     ref(x).pow(2).sum().backward()
     with torch.no_grad():  # and a whole forward without gradients
         error = rel_err(tp(mine), ref(x))
@@ -150,13 +153,29 @@ def _a_reader_without_gradients():
     assert all((p.grad is None) == name.startswith("k.") == (ref_params[name].grad is None)
                for name, p in tp.named_parameters())
     grads = [rel_err(p.grad, ref_params[name].grad) for name, p in tp.named_parameters() if p.grad is not None]
-    return comm, max(rel_err(mine.grad, x.grad), error, *grads)
+    return comm, max(rel_err(mine.grad, x.grad), error, *grads), seen.ops
 
 
 def test_a_reader_without_gradients_is_not_waited_for(ranks2):
-    comm, error = ranks2.run(_a_reader_without_gradients)[0]
+    comm, error, ops = ranks2.run(_a_reader_without_gradients)[0]
     assert error <= TOL
-    assert comm == {"all_reduce": 2}  # o's forward, and q and v's one backward reduction
+    assert comm == {"all_reduce": 1}  # backward: q and v's one reduction
+    # the reduction starts once q and v are in, before the last one's weight gradient
+    assert ops[-2:] == ["all_reduce", "mm"], ops
+
+
+class _Ops(TorchDispatchMode):
+    """The matrix products and all-reduces of a run, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(("aten.mm", "c10d.allreduce_")):
+            self.ops.append("mm" if name.startswith("aten.mm") else "all_reduce")
+        return func(*args, **(kwargs or {}))
 
 
 def _graph():

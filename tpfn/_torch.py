@@ -120,10 +120,19 @@ def keep_mesh(dt, mesh):
 def meta_dtensor(tensor: torch.Tensor, mesh, placements) -> DTensor:
     """The DTensor ``distribute_tensor`` makes of a meta tensor, without splitting it and
     scattering nothing: a meta local tensor of this rank's shape, built at once."""
-    placements = tuple(type(p)(p.dim % tensor.ndim) if type(p) is Shard else p for p in placements)
+    placements = tuple(_normal(p, tensor.ndim) for p in placements)
     shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
     return DTensor(torch.empty(shape, dtype=tensor.dtype, device="meta"), spec, requires_grad=tensor.requires_grad)
+
+
+def _normal(placement, ndim: int):
+    """``placement`` with a negative shard dim counted from the front, as ``distribute_tensor`` has it."""
+    if type(placement) is Shard and placement.dim < 0:
+        return Shard(placement.dim % ndim)
+    if type(placement) is StridedShard and placement.dim < 0:
+        return StridedShard(placement.dim % ndim, split_factor=placement.split_factor)
+    return placement
 
 
 def assert_async(condition: torch.Tensor, message: str) -> None:

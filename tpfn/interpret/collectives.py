@@ -7,8 +7,9 @@ as gloo's own work. ``step(src, dst, mesh, shape)`` is such a move as a plain fu
 local tensor, the same numbers (each rank's result is what DTensor computes), or None where
 DTensor's general path is needed: uneven or packed shards, reductions other than a sum,
 shard to shard. Results are new tensors: the input (a user's tensor, or a gradient autograd
-may hand to another branch too) is never written, except by a sum whose caller passes
-``owned=True``: a tensor it made and no one else holds, summed in place.
+may hand to another branch too) is never written, except by an all-reduce whose caller
+passes ``owned=True``: a tensor it made and no one else holds, summed in place (the other
+moves take ``owned`` too, and write new tensors regardless).
 
 >>> import torch
 >>> from torch.distributed.tensor import Partial, Replicate, Shard

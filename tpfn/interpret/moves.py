@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -359,16 +360,21 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         _first_order("an nn.Linear's local shards")
         x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
+        g = _rows(grad)
         gx = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         if gx is not None and ctx.inbox is not None:
             if ctx.inbox.add(gx, owned=True) and ctx.overlap:
                 ctx.inbox.start()
             gx = None
         wspec, bspec = ctx.specs
-        gw = _as(g.t().mm(x.reshape(-1, x.shape[-1])), wspec) if ctx.needs_input_grad[1] else None
+        gw = _as(g.t().mm(_rows(x)), wspec) if ctx.needs_input_grad[1] else None
         gb = _as(g.sum(0), bspec) if ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None, None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its last dim (not ``reshape(-1, d)``: a rank's shard may be empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _local(t):
@@ -384,8 +390,8 @@ def _local_linear(x, weight, bias, share: int):
     if x.dim() != 3 or b is None or torch.is_grad_enabled() or not x.is_contiguous() \
             or any(type(t) is not torch.Tensor or t.dtype != x.dtype or t.is_meta for t in (x, w, b)):
         return F.linear(x, w, b)  # (simulated ranks' tensors, meta and mixed dtypes: as they were)
-    out = x.new_empty((*x.shape[:-1], w.shape[0]))
-    torch.addmm(b, x.view(-1, x.shape[-1]), w.t(), out=out.view(-1, w.shape[0]))
+    out = x.new_empty((x.shape[0], x.shape[1], w.shape[0]))
+    torch.addmm(b, _rows(x), w.t(), out=_rows(out))
     return out
 
 
@@ -436,7 +442,7 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         found = cache[key] = (specs, share)
     specs, share = found
     if not grad or inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
-        return _local_linear(x, weight, bias, share)  # frozen, nothing handed in: differentiable twice
+        return _local_linear(x, weight, bias, share)  # (frozen with grad on: differentiable twice)
     return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
 
 
