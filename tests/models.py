@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpfn
 from tpfn import Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
@@ -152,3 +153,23 @@ def native_transformer_plan(sp: bool) -> dict:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+MATMULS = {"aten.mm": "mm", "c10d.allreduce_": "all_reduce"}  # for Ops: matrix products, all-reduces
+
+
+class Ops(TorchDispatchMode):
+    """The ops of a run named in ``labels`` (op name prefix -> label), in order, by label:
+    ``with Ops({"aten.mm": "mm", "c10d.allreduce_": "all_reduce"}) as seen: ...``."""
+
+    def __init__(self, labels: dict):
+        super().__init__()
+        self.labels, self.ops = labels, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        for prefix, label in self.labels.items():
+            if name.startswith(prefix):
+                self.ops.append(label)
+                break
+        return func(*args, **(kwargs or {}))

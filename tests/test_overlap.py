@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpfn
 from tests.models import (
-    clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
+    MATMULS, Ops, clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
 )
 from tests.ranks import mesh
 from tpfn import Replicate, colwise, prepare_in, prepare_out, rowwise
@@ -60,20 +59,6 @@ def test_overlap_gives_the_synchronous_numbers_and_collectives(ranks2, sp):
     assert every  # every parameter got its gradient
 
 
-class _Ops(TorchDispatchMode):
-    """The matrix products and all-reduces of a run, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name.startswith(("aten.mm", "c10d.allreduce_")):
-            self.ops.append("mm" if name.startswith("aten.mm") else "all_reduce")
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_order(overlap: bool):
     m = mesh(2)
     torch.manual_seed(0)
@@ -81,7 +66,7 @@ def _backward_order(overlap: bool):
     tp = tpfn.parallelize(mlp, m, {"0": colwise(), "2": rowwise()}, overlap=overlap)
     x = torch.randn(4, 8, requires_grad=True)
     loss = tp(x).sum()
-    with _Ops() as seen:
+    with Ops(MATMULS) as seen:
         loss.backward()
     return seen.ops
 
@@ -204,18 +189,7 @@ def test_overlap_must_be_a_bool():
         tpfn.parallelize(nn.Linear(2, 2), None, colwise(), overlap="yes")
 
 
-class _Copies(TorchDispatchMode):
-    """The copies and all-reduces of a run, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name.startswith(("aten.clone", "aten.copy", "c10d.allreduce_")):
-            self.ops.append(name.split(".")[1])
-        return func(*args, **(kwargs or {}))
+COPIES = {"aten.clone": "clone", "aten.copy": "copy", "c10d.allreduce_": "all_reduce"}
 
 
 def _forward_copies():
@@ -232,7 +206,7 @@ def _forward_copies():
             model[2].requires_grad_(not frozen)
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
         mine = x.detach().clone().requires_grad_()
-        with torch.inference_mode() if grad is None else torch.set_grad_enabled(grad), _Copies() as seen:
+        with torch.inference_mode() if grad is None else torch.set_grad_enabled(grad), Ops(COPIES) as seen:
             out = tp(mine)
         errors = [rel_err(out, ref(x))]
         if grad:
@@ -257,8 +231,8 @@ def test_a_row_wise_linear_sums_its_own_output_in_place(ranks2):
     for name, (ops, error) in found.items():
         assert error <= TOL, name
     assert {name: ops for name, (ops, _) in found.items()} == {
-        "3-D": ["allreduce_"], "2-D": ["allreduce_"], "no grad": ["allreduce_"],
-        "inference mode": ["allreduce_"], "frozen, 3-D": ["clone", "allreduce_"]}
+        "3-D": ["all_reduce"], "2-D": ["all_reduce"], "no grad": ["all_reduce"],
+        "inference mode": ["all_reduce"], "frozen, 3-D": ["clone", "all_reduce"]}
 
 
 def _empty_shard():

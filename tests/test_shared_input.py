@@ -9,10 +9,9 @@ gradient and every parameter's) and by its exact collective count.
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpfn
-from tests.models import clone, counts, max_rel_err, rel_err
+from tests.models import MATMULS, Ops, clone, counts, max_rel_err, rel_err
 from tests.ranks import mesh
 from tpfn import Partial, Replicate, Shard, colwise, prepare_in, rowwise
 
@@ -144,7 +143,7 @@ def _a_reader_without_gradients():
     x = torch.randn(2, 6, 8, requires_grad=True)
     mine = x.detach().clone().requires_grad_()
     loss = tp(mine).pow(2).sum()
-    with _Ops() as seen:
+    with Ops(MATMULS) as seen:
         comm = counts(loss.backward)
     ref(x).pow(2).sum().backward()
     with torch.no_grad():  # and a whole forward without gradients
@@ -163,19 +162,6 @@ def test_a_reader_without_gradients_is_not_waited_for(ranks2):
     # the reduction starts once q and v are in, before the last one's weight gradient
     assert ops[-2:] == ["all_reduce", "mm"], ops
 
-
-class _Ops(TorchDispatchMode):
-    """The matrix products and all-reduces of a run, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name.startswith(("aten.mm", "c10d.allreduce_")):
-            self.ops.append("mm" if name.startswith("aten.mm") else "all_reduce")
-        return func(*args, **(kwargs or {}))
 
 
 def _graph():
