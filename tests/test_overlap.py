@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tpfn
 from tests.models import (
-    MATMULS, Ops, clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
+    Ops, clone, counts, full, local_heads, max_rel_err, rel_err, transformer, transformer_plan,
 )
 from tests.ranks import mesh
 from tpfn import Replicate, colwise, prepare_in, prepare_out, rowwise
@@ -59,24 +59,37 @@ def test_overlap_gives_the_synchronous_numbers_and_collectives(ranks2, sp):
     assert every  # every parameter got its gradient
 
 
+class _Products(Ops):
+    """The matrix products (by their output's shape) and all-reduces of a run, in order."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func).startswith("aten.mm"):
+            self.ops.append(tuple(out.shape))
+        elif str(func).startswith("c10d.allreduce_"):
+            self.ops.append("all_reduce")
+        return out
+
+
 def _backward_order(overlap: bool):
     m = mesh(2)
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 8, bias=False))
+    mlp = nn.Sequential(nn.Linear(8, 12, bias=False), nn.ReLU(), nn.Linear(12, 6, bias=False))
     tp = tpfn.parallelize(mlp, m, {"0": colwise(), "2": rowwise()}, overlap=overlap)
     x = torch.randn(4, 8, requires_grad=True)
     loss = tp(x).sum()
-    with Ops(MATMULS) as seen:
+    with _Products({}) as seen:
         loss.backward()
     return seen.ops
 
 
-def test_the_reduction_starts_before_the_weight_gradient(ranks2):
-    # backward: layer 2's input and weight gradients, then layer 0's input gradient (the
-    # all-reduce's operand) and weight gradient
+def test_the_reduction_starts_before_the_weight_gradients(ranks2):
+    # local products: layer 2's input gradient (4, 6) and weight gradient (6, 6); layer 0's
+    # input gradient (4, 8), the all-reduce's operand, and weight gradient (6, 8). With
+    # overlap, both weight gradients run while the all-reduce does: layer 2's waits for it.
     on, off = ranks2.run(_backward_order, True)[0], ranks2.run(_backward_order, False)[0]
-    assert on == ["mm", "mm", "mm", "all_reduce", "mm"]
-    assert off == ["mm", "mm", "mm", "mm", "all_reduce"]
+    assert on == [(4, 6), (4, 8), "all_reduce", (6, 8), (6, 6)]
+    assert off == [(4, 6), (6, 6), (4, 8), (6, 8), "all_reduce"]
 
 
 class QKV(nn.Module):
@@ -147,6 +160,87 @@ def test_readers_that_hand_back_no_gradient_or_twice(ranks2):
         assert error <= TOL, name
     assert comms["only q"] == {"all_reduce": 2}  # o's forward, q's input gradient
     assert comms["twice"] == {"all_reduce": 3}  # one forward, two backwards
+
+
+class _Cases(QKV):
+    """QKV's linears in forwards that move where k's, v's and o's weight gradients are
+    computed: by q's backward, while the replica's reduction runs, or by their own nodes."""
+
+    case = "plain"
+
+    def forward(self, x):
+        if self.case == "q unused":  # q's node is kept but not run: the others compute their own
+            self.unused = self.q(x)
+            return self.o(self.v(x.detach()) + self.k(x))
+        h = self.q(x) + self.k(x) + self.v(x)
+        if self.case == "o twice":
+            return self.o(h) + self.o(h.tanh())
+        return self.o(h)
+
+
+def _later_cases():
+    """Every gradient against one device, and the hooks each model's parameters and o ran."""
+    m = mesh(2)
+    ref = _Cases()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    results = {}
+
+    def backward(model, xi):
+        model(xi).pow(2).sum().backward()
+
+    def two_forwards(model, xi):  # two graphs alive, one backward through both
+        (model(xi).pow(2).sum() + model(2 * xi).pow(2).sum()).backward()
+
+    def checkpointed(model, xi):
+        torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=False).pow(2).sum().backward()
+
+    def only_o(model, xi):  # o's gradient alone: q's node runs to hand it over
+        (model.o.weight.grad,) = torch.autograd.grad(model(xi).pow(2).sum(), [model.o.weight])
+
+    def only_x(model, xi):  # no parameter's gradient
+        (xi.grad,) = torch.autograd.grad(model(xi).pow(2).sum(), [xi])
+
+    def frozen_o(model, xi):
+        model.o.requires_grad_(False)
+        backward(model, xi)
+
+    cases = {"plain": backward, "o twice": backward, "q unused": backward, "two forwards": two_forwards,
+             "checkpoint": checkpointed, "only o": only_o, "only x": only_x, "frozen o": frozen_o}
+    for name, fn in cases.items():
+        models, seen = [tpfn.parallelize(clone(ref), m, PLAN), clone(ref)], []
+        xs = [x.clone().requires_grad_() for _ in models]
+        for model, xi in zip(models, xs):
+            model.case, hooks, calls = name if name in ("o twice", "q unused") else "plain", [], []
+            for n, p in model.named_parameters():  # each once, with its whole gradient
+                p.register_hook(lambda g, n=n: hooks.append((n, full(g))))
+            model.o.register_full_backward_hook(lambda mod, gi, go: calls.append(full(go[0])))
+            fn(model, xi)
+            seen.append((dict(hooks) if len(dict(hooks)) == len(hooks) else None, calls))
+        mine, theirs = dict(models[0].named_parameters()), dict(models[1].named_parameters())
+        errors = [rel_err(xs[0].grad, xs[1].grad) if xs[1].grad is not None else float(xs[0].grad is not None)]
+        for n, p in mine.items():
+            if (p.grad is None) != (theirs[n].grad is None):
+                errors.append(float("inf"))
+            elif p.grad is not None:
+                errors.append(rel_err(p.grad, theirs[n].grad))
+        (hooks, calls), (their_hooks, their_calls) = seen
+        if name == "only o":  # the backward runs on to q's node, which hands o's gradient over:
+            calls = calls[1:]  # o's module hook sees its input gradient once, where one device's does not
+        if hooks is None or their_hooks is None or hooks.keys() != their_hooks.keys() \
+                or len(calls) != len(their_calls):
+            errors.append(float("inf"))
+        else:
+            errors += [rel_err(g, their_hooks[n]) for n, g in hooks.items()]
+            errors += [rel_err(a, b) for a, b in zip(calls, their_calls)]
+        results[name] = max(errors)
+    return results
+
+
+def test_sibling_weight_gradients_computed_in_the_window_match_one_device(ranks2):
+    # k's, v's and o's weight gradients are computed in q's backward while the replica's
+    # reduction runs, where q's node runs later in that backward; else by their own nodes
+    for name, error in ranks2.run(_later_cases)[0].items():
+        assert error <= TOL, name
 
 
 def _second_order():

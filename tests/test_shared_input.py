@@ -159,8 +159,9 @@ def test_a_reader_without_gradients_is_not_waited_for(ranks2):
     comm, error, ops = ranks2.run(_a_reader_without_gradients)[0]
     assert error <= TOL
     assert comm == {"all_reduce": 1}  # backward: q and v's one reduction
-    # the reduction starts once q and v are in, before the last one's weight gradient
-    assert ops[-2:] == ["all_reduce", "mm"], ops
+    # the reduction starts once q and v are in (after o's, v's and q's input gradients),
+    # before every weight gradient: q's own, then o's and v's, which q's backward computes
+    assert ops == ["mm"] * 3 + ["all_reduce"] + ["mm"] * 3, ops
 
 
 
@@ -186,8 +187,10 @@ def _graph():
 
 def test_each_linear_is_one_autograd_node_over_its_parameters(ranks2):
     q, o, terms_q = ranks2.run(_graph)[0]
-    # q reads the shared replica as it is: no move of its own, no parameter views
-    assert q == ("_LinearBackward", ["_ShareBackward", "AccumulateGrad", "AccumulateGrad"])
+    # q reads the shared replica as it is: no move of its own, no parameter views; over its
+    # own weight and bias and k's, v's and o's, whose gradients its backward computes while
+    # the replica's reduction runs
+    assert q == ("_LinearBackward", ["_ShareBackward"] + ["AccumulateGrad"] * 8)
     # o: its output's all-reduce, over one node for the linear and its bias (added once)
     assert o == ("_MoveBackward", ["_LinearBackward"])
     assert terms_q == ("_LinearBackward", ["_TermsBackward", "AccumulateGrad", "AccumulateGrad"])

@@ -31,7 +31,8 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "per_rank", "rank_sizes", "simulated_shapes", "parameter"]
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "will_run", "per_rank", "rank_sizes",
+    "simulated_shapes", "parameter"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -59,6 +60,11 @@ MIXING = (batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, pooling._MaxP
 def queue_callback(fn) -> None:
     """Run ``fn`` when the running backward ends."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def will_run(node) -> bool:
+    """Whether the running backward is still to run autograd ``node`` (or runs it now)."""
+    return torch._C._will_engine_execute_node(node)
 
 
 def next_sequence_nr() -> int:

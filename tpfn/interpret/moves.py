@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
 
 from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
-                         redistribute_local_tensor, spec_of)
+                         redistribute_local_tensor, spec_of, will_run)
 from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
 from tpfn.interpret.collectives import step as plain_step
@@ -34,8 +35,8 @@ from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots", "local_params",
-           "direct", "linear", "writable", "shared", "reads_shared", "overlapping", "unhooked", "vocab_mask",
-           "dropout_slice"]
+           "direct", "linear", "Later", "Siblings", "writable", "shared", "reads_shared", "overlapping",
+           "unhooked", "vocab_mask", "dropout_slice"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -348,12 +349,17 @@ class _Linear(torch.autograd.Function):
     ``specs``; the input gradient either to autograd or, where a move takes it, to its
     ``inbox``: with ``overlap``, once every reader's is in, it starts the move's collective,
     then computes the weight and bias gradients while it runs (Megatron's overlap); the
-    move's backward waits for it. The same numbers either way."""
+    move's backward waits for it. ``later``: the ``Later`` weight gradients of the module's
+    siblings, the parameters ``extra``; a linear whose ``later`` is not its own hands its
+    gradient's operands in (``window`` False). The same numbers either way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, specs, share, inbox, overlap):
+    def forward(ctx, x, weight, bias, specs, share, inbox, overlap, later, window, *extra):
         ctx.save_for_backward(x, _local(weight))
         ctx.specs, ctx.inbox, ctx.overlap = specs, inbox, overlap
+        ctx.later, ctx.window, ctx.params = later, window, (weight, bias)
+        if window:
+            later.node = weakref.ref(ctx)
         return _local_linear(x, weight, bias, share)
 
     @staticmethod
@@ -366,10 +372,63 @@ class _Linear(torch.autograd.Function):
             if ctx.inbox.add(gx, owned=True) and ctx.overlap:
                 ctx.inbox.start()
             gx = None
-        wspec, bspec = ctx.specs
-        gw = _as(g.t().mm(_rows(x)), wspec) if ctx.needs_input_grad[1] else None
-        gb = _as(g.sum(0), bspec) if ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None, None, None
+        need, later = ctx.needs_input_grad[1:3], ctx.later
+        if later is not None and not ctx.window and later.defer(ctx.params, need, (g, x, ctx.specs)):
+            return gx, None, None, *_NONE
+        gw, gb = _param_grads(g, x, ctx.specs, need)
+        if not ctx.window:
+            return gx, gw, gb, *_NONE
+        return gx, gw, gb, *_NONE, *later.grads()
+
+
+_NONE = (None,) * 6  # specs, share, inbox, overlap, later, window
+
+
+def _param_grads(g, x, specs, need) -> tuple:
+    """A linear's weight and bias gradients from its output gradient ``g`` (a matrix) and its
+    input ``x`` (None where ``need`` says so)."""
+    wspec, bspec = specs
+    gw = _as(g.t().mm(_rows(x)), wspec) if need[0] else None
+    gb = _as(g.sum(0), bspec) if need[1] else None
+    return gw, gb
+
+
+class Later:
+    """The weight gradients that one ``linear`` (the window: its backward starts a move's
+    collective) computes while the collective runs, for the other linears of its module's
+    parent, whose parameters (``params``) its forward takes as inputs (the gradients flow
+    through its node). A sibling hands its gradient's operands in (``defer``) only where the
+    window's node is still to run in this backward (else it computes them itself), so each
+    gradient is computed once, by the one node or the other. Per backward (graph task)."""
+
+    __slots__ = ("params", "node", "entries", "ran")
+
+    def __init__(self, params: tuple):
+        self.params = {id(p): i for i, p in enumerate(params)}
+        self.node, self.entries, self.ran = None, {}, None
+
+    def defer(self, params: tuple, need: tuple, operands: tuple) -> bool:
+        """Hand in a sibling's ``operands`` (its output gradient, input and gradient specs)
+        for its ``params``' gradients where ``need``-ed; False: it computes them itself."""
+        if not all(id(p) in self.params for p, n in zip(params, need) if n):
+            return False
+        task, node = torch._C._current_graph_task_id(), None if self.node is None else self.node()
+        if node is None or self.ran == task or not will_run(node):
+            return False
+        self.entries.setdefault(task, []).append((params, need, operands))
+        return True
+
+    def grads(self) -> list:
+        """The gradients of ``params`` that the siblings handed in in this backward (None:
+        none), computed now; later hand-ins in this backward are refused."""
+        task = self.ran = torch._C._current_graph_task_id()
+        out = [None] * len(self.params)
+        for params, need, (g, x, specs) in self.entries.pop(task, ()):
+            for p, grad in zip(params, _param_grads(g, x, specs, need)):
+                if grad is not None:
+                    i = self.params[id(p)]
+                    out[i] = _plus(out[i], grad)
+        return out
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -413,15 +472,16 @@ def direct(x) -> bool:
 
 
 def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cache: dict,
-           inbox: _Inbox | None = None) -> torch.Tensor:
+           inbox: _Inbox | None = None, siblings=None) -> torch.Tensor:
     """``nn.Linear``'s forward on the local shards of its parameters (``kernel``'s layouts;
     ``cache`` keeps their gradients' specs), for an ``x`` it takes (``direct``). Where ``x``
     comes from a move whose backward reduces its gradient (Megatron's f: a replica's partial
     sums, ``inbox`` where the caller found it, or a sequence shard's gather), that reduction
     starts before the weight gradient and ends after it (``overlap``: else it waits; the
-    numbers are the same). Without gradients, or frozen parameters with nothing handed in:
-    plain ``F.linear`` on their local tensors (which a second-order gradient differentiates
-    again)."""
+    numbers are the same), and so do the weight gradients of the other linears of
+    ``siblings`` (a ``Siblings``, its parent's) that run after it. Without gradients, or
+    frozen parameters with nothing handed in: plain ``F.linear`` on their local tensors
+    (which a second-order gradient differentiates again)."""
     weight, bias = module.weight, module.bias
     grad = torch.is_grad_enabled()
     if inbox is None and grad:
@@ -443,7 +503,31 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     specs, share = found
     if not grad or inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
         return _local_linear(x, weight, bias, share)  # (frozen with grad on: differentiable twice)
-    return _Linear.apply(x, weight, bias, specs, share, inbox, overlap)
+    later, extra = None, ()
+    if siblings is not None and overlap:
+        if inbox is not None and inbox.readers == 1:  # the window: its reduction starts first
+            extra = siblings.params(module)
+            later = siblings.later = Later(extra) if extra else None
+        else:
+            later = siblings.later
+    window = bool(extra)
+    return _Linear.apply(x, weight, bias, specs, share, inbox, overlap, later, window, *extra)
+
+
+class Siblings:
+    """The linears that ``linear`` computes for one parent module (``modules``), and the
+    ``Later`` of the window its last forward ran (None: none yet)."""
+
+    __slots__ = ("modules", "later")
+
+    def __init__(self, modules: tuple):
+        self.modules, self.later = modules, None
+
+    def params(self, window: nn.Module) -> tuple:
+        """The parameters of the other modules that their gradients need (for ``window``)."""
+        found = {id(p): p for m in self.modules if m is not window for p in (m.weight, m.bias)
+                 if p is not None and p.requires_grad}  # (a tied parameter once)
+        return tuple(found.values())
 
 
 def _autocast(device: str) -> bool:

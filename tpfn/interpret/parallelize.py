@@ -30,7 +30,7 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import (direct, dropout_slice, linear, local_params, param_slots, placements,
+from tpfn.interpret.moves import (Siblings, direct, dropout_slice, linear, local_params, param_slots, placements,
                                   reads_shared, shared, vocab_mask, writable)
 from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
                                     shard_params, unpackable)
@@ -56,6 +56,7 @@ class Runtime:
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
         self.overlap, self.cache, self.watch, self.starts = overlap, {}, None, None
+        self.siblings = None  # the linears of its parent (parallelize sets them)
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
@@ -86,7 +87,7 @@ class Runtime:
             inbox = shared(args[0], mesh)
             if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
                 inbox.readers += 1
-                out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox)
+                out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox, self.siblings)
                 return self._outputs(out, tuple(args[0].shape), owned=writable(out))
         first, shape = self._first(args, kwargs), None
         if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
@@ -112,7 +113,7 @@ class Runtime:
         if self.linear and len(args) == 1 and not kwargs and direct(args[0]):  # one node, no views
             if self.starts is not None:
                 self.starts(args, kwargs)
-            out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache)
+            out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, siblings=self.siblings)
             return self._outputs(out, shape, owned=writable(out))
         views = local_params(self.slots, kernel, mesh, self.cache)
         if self.starts is not None:
@@ -230,8 +231,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     own values and communicates nothing (for modules initialized identically, or on the meta device).
     ``overlap``: a column-wise ``nn.Linear`` whose input gradient is reduced (all-reduced, or
     reduce-scattered under sequence parallelism) starts that collective before its weight gradient and
-    waits for it after, as Megatron-LM does; ``False`` waits at once (the same collectives, the
-    same numbers, bit for bit).
+    waits for it after, as Megatron-LM does; the weight gradients of the other linears of its parent
+    that ran after it (k, v and o after q; the MLP's second after its first) are computed then too,
+    by its backward; ``False`` waits at once (the same collectives, the same numbers, bit for bit).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -273,15 +275,22 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for name, param in list(table.items()):
                 if param is not None and id(param) in replacement:
                     table[name] = replacement[id(param)]
-    state = State()
+    state, linears = State(), {}
     for m in bound:
         sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub, overlap)
+        if sub.forward.linear:
+            linears.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _described(m, sub))
+    for runtimes in linears.values():  # a window's siblings: their weight gradients overlap its reduction
+        if len(runtimes) > 1:
+            siblings = Siblings(tuple(r.module for r in runtimes))
+            for r in runtimes:
+                r.siblings = siblings
     return module
 
 
