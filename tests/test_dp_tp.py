@@ -9,12 +9,14 @@ from tests.models import clone, local_heads, max_rel_err, transformer, transform
 from tests.ranks import mesh
 
 
-def _dp_tp(sp: bool, clip):
+def _dp_tp(sp: bool, clip, units=()):
     m = mesh(2, 2, names=("dp", "tp"))
     dp_rank = m["dp"].get_local_rank()
     ref = transformer(vocab_size=16, n_layers=2)
     model = local_heads(tpfn.parallelize(clone(ref), m["tp"], transformer_plan(sp)), 2)
     for layer in model.layers:
+        for name in units:  # linears of their own FSDP units, inside the layer's
+            fully_shard(layer.get_submodule(name), mesh=m["dp"])
         fully_shard(layer, mesh=m["dp"])
     fully_shard(model, mesh=m["dp"])
     optimizers = [torch.optim.AdamW(ref.parameters(), lr=0.01),
@@ -51,3 +53,10 @@ def test_dp_x_tp_with_sequence_parallel_matches_one_device(ranks4):
 def test_dp_x_tp_with_unbound_norms_clips_across_meshes(ranks4):
     # The norms no plan binds live on mesh["dp"] alone; tpfn.clip_grad_norm_ combines meshes.
     _check(ranks4.run(_dp_tp, False, tpfn.clip_grad_norm_))
+
+
+def test_dp_x_tp_with_linears_in_units_of_their_own_matches_one_device(ranks4):
+    # FSDP reduces a unit's gradients once its input gradient is in: a linear that is a unit
+    # of its own keeps its weight gradient in its own node (not its window's, q's or w1's)
+    _check(ranks4.run(_dp_tp, False, tpfn.clip_grad_norm_,
+                      ("attention.wo", "attention.wk", "feed_forward.w2")))

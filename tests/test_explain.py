@@ -392,7 +392,7 @@ module      style | layout                global -> local | steps  forward      
 
 collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_reduce
 bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
-overlapping a weight gradient: 1 of 1 backward collectives
+overlapping weight gradients: 1 of 1 backward collectives (2 linears)
 parameter bytes per rank: 2,176 B (2.1 KiB)"""
     model = local_heads(transformer(vocab_size=16, n_layers=3), 2)
     table = tpfn.explain(model, transformer_plan(True), world_size=2,

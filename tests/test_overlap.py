@@ -194,6 +194,12 @@ def _later_cases():
     def checkpointed(model, xi):
         torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=False).pow(2).sum().backward()
 
+    def reentrant(model, xi):  # recomputed, and backwarded, inside the outer backward
+        torch.utils.checkpoint.checkpoint(model, xi, use_reentrant=True).pow(2).sum().backward()
+
+    def tied(model, xi):  # k and v one weight: its two gradients summed
+        backward(model, xi)
+
     def only_o(model, xi):  # o's gradient alone: q's node runs to hand it over
         (model.o.weight.grad,) = torch.autograd.grad(model(xi).pow(2).sum(), [model.o.weight])
 
@@ -205,9 +211,13 @@ def _later_cases():
         backward(model, xi)
 
     cases = {"plain": backward, "o twice": backward, "q unused": backward, "two forwards": two_forwards,
-             "checkpoint": checkpointed, "only o": only_o, "only x": only_x, "frozen o": frozen_o}
+             "checkpoint": checkpointed, "reentrant": reentrant, "tied": tied, "only o": only_o, "only x": only_x, "frozen o": frozen_o}
     for name, fn in cases.items():
-        models, seen = [tpfn.parallelize(clone(ref), m, PLAN), clone(ref)], []
+        models, seen = [clone(ref), clone(ref)], []
+        if name == "tied":  # tied before parallelize, which keeps them one parameter
+            for model in models:
+                model.v.weight = model.k.weight
+        models[0] = tpfn.parallelize(models[0], m, PLAN)
         xs = [x.clone().requires_grad_() for _ in models]
         for model, xi in zip(models, xs):
             model.case, hooks, calls = name if name in ("o twice", "q unused") else "plain", [], []
@@ -241,6 +251,63 @@ def test_sibling_weight_gradients_computed_in_the_window_match_one_device(ranks2
     # reduction runs, where q's node runs later in that backward; else by their own nodes
     for name, error in ranks2.run(_later_cases)[0].items():
         assert error <= TOL, name
+
+
+def _one_gradient(overlap: bool):
+    """Each layer's weight gradient alone (``torch.autograd.grad``): the collectives issued
+    and the largest error against one device."""
+    m = mesh(2)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 6))
+    tp = tpfn.parallelize(clone(ref), m, {"0": colwise(), "2": rowwise()}, overlap=overlap)
+    x = torch.randn(4, 8, requires_grad=True)
+    comms, errors = [], []
+    for i in (0, 2):
+        out = {}
+        comms.append(counts(lambda: out.setdefault("g", torch.autograd.grad(tp(x).sum(), [tp[i].weight]))))
+        (theirs,) = torch.autograd.grad(ref(x).sum(), [ref[i].weight])
+        errors.append(rel_err(out["g"][0], theirs))
+    return comms, max(errors)
+
+
+def test_a_gradient_alone_starts_no_collective_no_one_waits_for(ranks2):
+    # the second layer's weight gradient runs the first's node (which hands it over), and the
+    # first's needs none of the input gradient's all-reduce: neither starts it
+    for overlap in (True, False):
+        comms, error = ranks2.run(_one_gradient, overlap)[0]
+        assert comms == [{"all_reduce": 1}, {"all_reduce": 1}], overlap  # the forward's only
+        assert error <= TOL
+
+
+def _failed_backward():
+    """A backward that fails between o's node and q's: nothing of the graph is kept."""
+    import gc
+    import weakref
+    tp = tpfn.parallelize(QKV(), mesh(2), PLAN)
+    nodes = []
+
+    def fail(grad):  # after o's node has handed its gradient's operands in
+        raise RuntimeError("out of memory")
+
+    def keep(module, args, out):
+        nodes.append(weakref.ref(out.grad_fn))
+        out.register_hook(fail)
+
+    tp.q.register_forward_hook(keep)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    loss = tp(x).pow(2).sum()
+    failed = False
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        failed = "out of memory" in str(e)
+    del loss
+    gc.collect()
+    return failed, nodes[0]() is None
+
+
+def test_a_failed_backward_keeps_no_graph_alive(ranks2):
+    assert ranks2.run(_failed_backward)[0] == (True, True)
 
 
 def _second_order():

@@ -18,7 +18,7 @@ A forward collective belongs to the module whose forward (or forward hooks) is r
 A backward collective belongs to the module that created the autograd node running it:
 each module's forward spans an interval of autograd sequence numbers, and the innermost
 interval holding the node's number names the module; one that a column-wise linear starts
-before its weight gradient (``Comm.overlaps``) belongs to the move it serves. One that runs
+before the weight gradients it computes (``Comm.overlaps``) belongs to the move it serves. One that runs
 in a callback at the end of the backward (e.g. gradients reduced in bulk) belongs to no
 module.
 """
@@ -120,15 +120,14 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         op_kind = kind(func)
         if op_kind is not None:
-            seq, early = None, False
+            seq, early = None, 0
             if torch._C._current_graph_task_id() == -1:
                 fqn, phase = (self.open[-1][0] if self.open else None), "forward"
             else:  # the node running it, or the move whose collective a linear starts early
                 node = torch._C._current_autograd_node()
                 if node is not None:
-                    seq = overlapping(node)
-                    early = seq is not None
-                    seq = seq if early else node._sequence_nr()
+                    found = overlapping(node)
+                    seq, early = (node._sequence_nr(), 0) if found is None else found
                 fqn, phase = self._creator(seq), "backward"
             if op_kind not in KINDS:
                 where = "code outside every module" if fqn is None else repr(fqn or "<root>")

@@ -375,7 +375,7 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
     - ``dtype``: the dtype of inputs given as shapes (token ids by default).
     - ``sizes``: stand-in values for symbols (see the module docstring).
     - ``overlap``: as ``parallelize`` takes it; the report counts the backward collectives
-      that overlap a weight gradient (``Comm.overlaps``).
+      that overlap weight gradients (``Comm.overlaps``).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,

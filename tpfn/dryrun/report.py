@@ -64,9 +64,10 @@ class Comm:
     ``fqn``: the innermost module running it (None: outside every module); ``phase``:
     ``"forward"`` or ``"backward"``; ``numel``: elements of the whole tensor it assembles or
     reduces (an all-gather's output, an all-reduce's or reduce-scatter's input, all ranks'
-    inputs of an all-to-all); ``group_size``: ranks taking part; ``overlaps``: a backward
-    collective that a column-wise linear starts before computing its weight gradient and
-    waits for after (``parallelize(..., overlap=True)``).
+    inputs of an all-to-all); ``group_size``: ranks taking part; ``overlaps``: for a backward
+    collective that a column-wise linear starts early and waits for after
+    (``parallelize(..., overlap=True)``), how many linears' weight gradients run meanwhile
+    (its own, and its parent's other linears'); else 0.
 
     >>> Comm("w1", "backward", "all_gather", numel=1024, group_size=8, itemsize=4).bytes
     3584
@@ -78,7 +79,7 @@ class Comm:
     numel: int | sympy.Expr
     group_size: int | sympy.Expr
     itemsize: int
-    overlaps: bool = False
+    overlaps: int = 0
 
     @property
     def bytes(self):
@@ -329,8 +330,9 @@ class Report:
         ]
         backward = [c for c in self.comms if c.phase == "backward"]
         if backward:
-            out.insert(2, ("overlapping a weight gradient",
-                           f"{sum(c.overlaps for c in backward)} of {len(backward)} backward collectives"))
+            out.insert(2, ("overlapping weight gradients",
+                           f"{sum(c.overlaps > 0 for c in backward)} of {len(backward)} backward collectives "
+                           f"({sum(c.overlaps for c in backward)} linears)"))
         m = self.megatron
         if m is not None:
             formula, measured = self.megatron_bytes, self.blocks_bytes

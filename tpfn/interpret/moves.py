@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import tensor as _dt
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
@@ -132,12 +133,19 @@ class _Inbox:
     shared replica's column-wise readers' partial gradients (``_Contribute``), or the input gradient of
     a ``linear`` that reads the move. Once all ``readers`` of this forward are in, ``linear`` starts the
     move back (``start``) before its weight gradient; the move's backward ``take``-s the result.
-    ``seq``: the move's autograd sequence number (a collective started early still belongs to it)."""
+    ``seq``: the move's autograd sequence number (a collective started early still belongs to it);
+    ``node``: the move's node, weakly."""
 
-    __slots__ = ("back", "what", "seq", "readers", "entries")
+    __slots__ = ("back", "what", "seq", "node", "readers", "entries")
 
-    def __init__(self, back, what: str, seq: int):
-        self.back, self.what, self.seq, self.readers, self.entries = back, what, seq, 0, {}
+    def __init__(self, back, what: str, node):
+        self.back, self.what, self.seq, self.node = back, what, node._sequence_nr(), weakref.ref(node)
+        self.readers, self.entries = 0, {}
+
+    def wanted(self) -> bool:
+        """Whether the running backward runs the move's node (else no reader need hand in)."""
+        node = self.node()
+        return node is not None and will_run(node)
 
     def add(self, grad: torch.Tensor, owned: bool = False) -> bool:
         """Add one reader's ``grad`` (``owned``: made by the reader, held by no one else);
@@ -223,7 +231,7 @@ class _Share(torch.autograd.Function):
     def forward(ctx, x, forward, partial_back, whole_back, what, mesh):
         ctx.set_materialize_grads(False)
         ctx.whole_back, ctx.what = whole_back, what
-        ctx.mesh, ctx.inbox = mesh, _Inbox(partial_back, what, ctx._sequence_nr())
+        ctx.mesh, ctx.inbox = mesh, _Inbox(partial_back, what, ctx)
         return x.view_as(x) if forward is None else forward(x, what)
 
     @staticmethod
@@ -366,14 +374,16 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad):
         _first_order("an nn.Linear's local shards")
         x, weight = ctx.saved_tensors
-        g = _rows(grad)
-        gx = g.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        if gx is not None and ctx.inbox is not None:
-            if ctx.inbox.add(gx, owned=True) and ctx.overlap:
-                ctx.inbox.start()
-            gx = None
+        g, inbox, gx = _rows(grad), ctx.inbox, None
+        if ctx.needs_input_grad[0] and (inbox is None or inbox.wanted()):  # (else no one takes it)
+            gx = g.mm(weight).view(x.shape)
+            if inbox is not None:
+                if inbox.add(gx, owned=True) and ctx.overlap:
+                    inbox.start()
+                gx = None
         need, later = ctx.needs_input_grad[1:3], ctx.later
-        if later is not None and not ctx.window and later.defer(ctx.params, need, (g, x, ctx.specs)):
+        if later is not None and not ctx.window and later.defer(ctx, need):
+            ctx.operands = (g, x)  # until the window takes them
             return gx, None, None, *_NONE
         gw, gb = _param_grads(g, x, ctx.specs, need)
         if not ctx.window:
@@ -397,9 +407,11 @@ class Later:
     """The weight gradients that one ``linear`` (the window: its backward starts a move's
     collective) computes while the collective runs, for the other linears of its module's
     parent, whose parameters (``params``) its forward takes as inputs (the gradients flow
-    through its node). A sibling hands its gradient's operands in (``defer``) only where the
-    window's node is still to run in this backward (else it computes them itself), so each
-    gradient is computed once, by the one node or the other. Per backward (graph task)."""
+    through its node). A sibling hands itself in (``defer``) only where the window's node is
+    still to run in this backward (else it computes them itself), so each gradient is
+    computed once, by the one node or the other. Per backward (graph task). Siblings are
+    held weakly and keep their own operands (``operands``), so nothing here holds a tensor:
+    a backward that fails in between leaves no cycle through the graph."""
 
     __slots__ = ("params", "node", "entries", "ran")
 
@@ -407,15 +419,15 @@ class Later:
         self.params = {id(p): i for i, p in enumerate(params)}
         self.node, self.entries, self.ran = None, {}, None
 
-    def defer(self, params: tuple, need: tuple, operands: tuple) -> bool:
-        """Hand in a sibling's ``operands`` (its output gradient, input and gradient specs)
-        for its ``params``' gradients where ``need``-ed; False: it computes them itself."""
-        if not all(id(p) in self.params for p, n in zip(params, need) if n):
+    def defer(self, sibling, need: tuple) -> bool:
+        """Hand in a running ``linear`` node ``sibling``, for the gradients of its parameters
+        that it ``need``-s; False: it computes them itself."""
+        if not all(id(p) in self.params for p, n in zip(sibling.params, need) if n):
             return False
         task, node = torch._C._current_graph_task_id(), None if self.node is None else self.node()
         if node is None or self.ran == task or not will_run(node):
             return False
-        self.entries.setdefault(task, []).append((params, need, operands))
+        self.entries.setdefault(task, []).append((weakref.ref(sibling), need))
         return True
 
     def grads(self) -> list:
@@ -423,8 +435,10 @@ class Later:
         none), computed now; later hand-ins in this backward are refused."""
         task = self.ran = torch._C._current_graph_task_id()
         out = [None] * len(self.params)
-        for params, need, (g, x, specs) in self.entries.pop(task, ()):
-            for p, grad in zip(params, _param_grads(g, x, specs, need)):
+        for ref, need in self.entries.pop(task, ()):
+            sibling = ref()  # alive: the graph that is running holds it
+            (g, x), sibling.operands = sibling.operands, None
+            for p, grad in zip(sibling.params, _param_grads(g, x, sibling.specs, need)):
                 if grad is not None:
                     i = self.params[id(p)]
                     out[i] = _plus(out[i], grad)
@@ -489,7 +503,7 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
             inbox = node.inbox
         elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
-            inbox = node.inbox = _Inbox(node.backward, node.what, node._sequence_nr())
+            inbox = node.inbox = _Inbox(node.backward, node.what, node)
             inbox.readers = 1
     key = ("linear", spec_of(weight) if isinstance(weight, DTensor) else None,
            spec_of(bias) if isinstance(bias, DTensor) else None)
@@ -504,7 +518,7 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     if not grad or inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
         return _local_linear(x, weight, bias, share)  # (frozen with grad on: differentiable twice)
     later, extra = None, ()
-    if siblings is not None and overlap:
+    if siblings is not None and overlap and not isinstance(module, FSDPModule):
         if inbox is not None and inbox.readers == 1:  # the window: its reduction starts first
             extra = siblings.params(module)
             later = siblings.later = Later(extra) if extra else None
@@ -516,7 +530,9 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
 
 class Siblings:
     """The linears that ``linear`` computes for one parent module (``modules``), and the
-    ``Later`` of the window its last forward ran (None: none yet)."""
+    ``Later`` of the window its last forward ran (None: none yet). A linear that is an FSDP
+    unit of its own neither hands its gradients to another nor takes theirs (FSDP reduces a
+    unit's gradients once its input gradient is in)."""
 
     __slots__ = ("modules", "later")
 
@@ -525,8 +541,8 @@ class Siblings:
 
     def params(self, window: nn.Module) -> tuple:
         """The parameters of the other modules that their gradients need (for ``window``)."""
-        found = {id(p): p for m in self.modules if m is not window for p in (m.weight, m.bias)
-                 if p is not None and p.requires_grad}  # (a tied parameter once)
+        found = {id(p): p for m in self.modules if m is not window and not isinstance(m, FSDPModule)
+                 for p in (m.weight, m.bias) if p is not None and p.requires_grad}  # (a tied one once)
         return tuple(found.values())
 
 
@@ -534,11 +550,14 @@ def _autocast(device: str) -> bool:
     return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
-def overlapping(node) -> int | None:
-    """Where the running backward ``node`` is a ``linear``'s: the sequence number of the move
-    whose collective it starts before its weight gradient; else None."""
-    linear_node = isinstance(node, _Linear._backward_cls) and node.inbox is not None
-    return node.inbox.seq if linear_node else None
+def overlapping(node) -> tuple | None:
+    """Where the running backward ``node`` is a ``linear``'s that starts a move's collective
+    early: ``(the move's sequence number, how many linears' weight gradients it computes
+    while the collective runs)``; else None."""
+    if not (isinstance(node, _Linear._backward_cls) and node.inbox is not None):
+        return None
+    later = node.later.entries.get(torch._C._current_graph_task_id(), ()) if node.window else ()
+    return node.inbox.seq, int(any(node.needs_input_grad[1:3])) + len(later)
 
 
 class _View(torch.autograd.Function):
