@@ -808,3 +808,20 @@ def test_hugging_face_attention_gets_no_head_lints():
     with pytest.raises(PlanError, match=r"it shards nn\.Linear, nn\.Embedding and "
                                         r"nn\.MultiheadAttention, not Conv1D"):
         tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)
+
+
+def test_each_forward_all_gather_counts_the_linears_computing_this_ranks_rows_meanwhile():
+    # Under sequence parallelism: per layer, the attention's gather (q, k and v) and w1's own
+    # (one linear); the head's input gather (one); not the logits' gather, along their last dim.
+    model = local_heads(transformer(vocab_size=64, dim=32, n_heads=4, n_layers=4, max_seq_len=16), 2)
+    rows = {**{f"layers.{i}.attention": 3 for i in range(4)},
+            **{f"layers.{i}.feed_forward.w1": 1 for i in range(4)}, "output": 1}
+    for overlap in (True, False):
+        report = tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(2, 16),
+                              overlap=overlap)
+        gathers = {c.fqn: c.overlaps for c in report.comms
+                   if c.phase == "forward" and c.kind == "all_gather" and c.numel == 2 * 16 * 32}
+        assert gathers == (rows if overlap else dict.fromkeys(rows, 0))
+        lines = [f"{label}: {text}" for label, text in report.totals() if label.startswith("overlapping this")]
+        assert lines == (["overlapping this rank's rows: 9 of 10 forward all-gathers (17 linears)"]
+                         if overlap else [])

@@ -11,6 +11,7 @@ from torch._C._distributed_c10d import (  # noqa: F401
     FakeProcessGroup, ProcessGroup, _register_process_group as register_process_group,
     _resolve_process_group as resolve_process_group, _unregister_process_group as unregister_process_group)
 from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+from torch.distributed._tools.mod_tracker import ModTracker
 # per_rank(fn): ``fn`` run once per rank that ``LocalTensorMode`` simulates in one process, on
 # that rank's values of the tensors and ints that differ by rank (else called as it is): what
 # depends on the rank (its chunk of a replica), computed without communication.
@@ -24,6 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.nn.modules.dropout import _DropoutNd as DropoutNd  # noqa: F401
 from torch.nn.modules import batchnorm, pooling
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils.module_tracker import ModuleTracker
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401
 
 __all__ = [
@@ -31,8 +33,8 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "will_run", "per_rank", "rank_sizes",
-    "simulated_shapes", "parameter"]
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "will_run", "per_rank",
+    "rank_sizes", "simulated_shapes", "parameter"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -60,6 +62,18 @@ MIXING = (batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm, pooling._MaxP
 def queue_callback(fn) -> None:
     """Run ``fn`` when the running backward ends."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+_TRACKERS = (ModTracker, ModuleTracker)
+
+
+def pre_hooked(module: nn.Module) -> bool:
+    """Whether a forward pre-hook (its own, or a global one) that may change ``module`` runs
+    before its forward: any but those that only observe, tpfn's recording hooks (marked
+    ``observes_only``) and torch's module trackers (``CommDebugMode``'s, ``FlopCounterMode``'s)."""
+    hooks = (*module._forward_pre_hooks.values(), *nn.modules.module._global_forward_pre_hooks.values())
+    return any(not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
+               for hook in hooks)
 
 
 def will_run(node) -> bool:

@@ -18,16 +18,19 @@ A forward collective belongs to the module whose forward (or forward hooks) is r
 A backward collective belongs to the module that created the autograd node running it:
 each module's forward spans an interval of autograd sequence numbers, and the innermost
 interval holding the node's number names the module; one that a column-wise linear starts
-before the weight gradients it computes (``Comm.overlaps``) belongs to the move it serves. One that runs
-in a callback at the end of the backward (e.g. gradients reduced in bulk) belongs to no
-module.
+before the weight gradients it computes (``Comm.overlaps``) belongs to the move it serves. One
+that runs in a callback at the end of the backward (e.g. gradients reduced in bulk) belongs to no
+module. A forward all-gather's ``Comm.overlaps`` counts the matrix products of its own input
+(the rows of this rank's slice, computed while it runs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 
+import attrs
 import torch
 import torch.nn as nn
 
@@ -103,6 +106,7 @@ class _Recorder(TorchDispatchMode):
         self.nodes = nodes  # where given: the autograd position of each collective
         self.open: list = []  # (fqn, first sequence number) of the modules running forward
         self.spans: list = []  # (first, end, fqn) of finished forwards
+        self.gathers: dict = {}  # id of a forward all-gather's input -> (that input, its comm's index)
 
     def enter(self, fqn):
         self.open.append((fqn, _sequence_nr()))
@@ -119,6 +123,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op_kind = kind(func)
+        if op_kind is None and func in _PRODUCTS and torch._C._current_graph_task_id() == -1:
+            self._rows(args)
         if op_kind is not None:
             seq, early = None, 0
             if torch._C._current_graph_task_id() == -1:
@@ -138,10 +144,37 @@ class _Recorder(TorchDispatchMode):
             sent = next(named[k] for k in _INPUTS if k in named)
             n = _group_size(named)
             whole = _numel(sent) * (n if op_kind in ("all_gather", "all_to_all") else 1)
+            if phase == "forward" and op_kind == "all_gather" and isinstance(sent, torch.Tensor):
+                base = _base(sent)
+                self.gathers[id(base)] = (base, len(self.comms))
             self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent), early))
             if self.nodes is not None:
                 self.nodes.append(next_sequence_nr() if phase == "forward" else seq)
         return func(*args, **kwargs)
+
+    def _rows(self, args) -> None:
+        """A forward matrix product of rows of a forward all-gather's own input (this rank's
+        slice, computed while the gather runs: ``tpfn.interpret.moves.Rows``) counts as one
+        linear overlapping that gather."""
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                found = self.gathers.get(id(_base(a)))
+                if found is not None:
+                    i = found[1]
+                    self.comms[i] = attrs.evolve(self.comms[i], overlaps=self.comms[i].overlaps + 1)
+                    return
+
+
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` views (``t`` itself where it is no view)."""
+    return t if t._base is None else t._base
+
+
+def _enter(recorder: _Recorder, fqn: str, *_) -> None:
+    recorder.enter(fqn)
 
 
 @contextlib.contextmanager
@@ -168,7 +201,9 @@ def record(module: nn.Module, *, nodes: list | None = None):
     recorder = _Recorder(nodes)
     handles = []
     for fqn, sub in module.named_modules():
-        handles += [sub.register_forward_pre_hook(lambda *_, fqn=fqn: recorder.enter(fqn), prepend=True),
+        enter = functools.partial(_enter, recorder, fqn)
+        enter.observes_only = True  # it changes no module: a linear's rows may still be computed ahead
+        handles += [sub.register_forward_pre_hook(enter, prepend=True),
                     sub.register_forward_hook(lambda *_: recorder.leave(), always_call=True)]
     try:
         with recorder:

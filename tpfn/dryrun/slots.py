@@ -99,6 +99,7 @@ class Slots:
 
         def begin(module, args):
             self.open[fqn].append([window(), None])
+        begin.observes_only = True  # (changes no module: see tpfn._torch.pre_hooked)
 
         def starts(args, kwargs):  # the module's own computation starts: inputs moved
             call = self.open[fqn][-1]

@@ -27,7 +27,7 @@ from torch.distributed import tensor as _dt
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank,
+from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, local_tensor, per_rank, pre_hooked,
                          redistribute_local_tensor, spec_of, will_run)
 from tpfn.algebra import chunk_bounds, contiguous_strides, cotangent, transition
 from tpfn.errors import CollectiveError
@@ -37,7 +37,7 @@ from tpfn.layout import Partial, Replicate, from_torch, to_torch
 
 __all__ = ["move", "replicate_shared", "placements", "failed", "collective", "param_slots", "local_params",
            "direct", "linear", "Later", "Siblings", "writable", "shared", "reads_shared", "overlapping",
-           "unhooked", "vocab_mask", "dropout_slice"]
+           "unhooked", "vocab_mask", "dropout_slice", "Rows"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -90,11 +90,14 @@ class _Step:
     does it (``tpfn.interpret.collectives``), else DTensor's ``redistribute_local_tensor``;
     a failed collective is named after the slot it served."""
 
-    __slots__ = ("plain", "specs")
+    __slots__ = ("plain", "specs", "gather")
 
     def __init__(self, mesh, src, dst, shape: tuple, dtype):
         self.plain = plain_step(src, dst, mesh, shape)
         self.specs = (_spec(mesh, src, shape, dtype), _spec(mesh, dst, shape, dtype))
+        # (dim, rank) of a plain all-gather along a dim other than the last: a linear's rows
+        self.gather = (src.dim, mesh.get_coordinate()[0]) if self.plain is not None and \
+            isinstance(src, _dt.Shard) and isinstance(dst, _dt.Replicate) and src.dim < len(shape) - 1 else None
 
     def __call__(self, x: torch.Tensor, what: str, owned: bool = False) -> torch.Tensor:
         """``x`` moved (``owned``: the caller's own tensor, which a sum may reuse)."""
@@ -123,6 +126,18 @@ class _Step:
                 raise self._failed(what, error) from error
         return wait
 
+    def ahead(self, x: torch.Tensor, what: str, during):
+        """``(x moved, during(x, dim, rank))``: where the move is a plain all-gather along
+        ``dim``, ``during`` computes with this rank's slice while the other ranks' arrive
+        (else its result is None, and nothing runs beside the move)."""
+        if self.gather is None or type(x) is not torch.Tensor or during is None:
+            return self(x, what), None
+        if x.is_meta:  # (a dry run: the same work, nothing in flight)
+            return self(x, what), during(x, *self.gather)
+        wait = self.start(x, what)
+        found = during(x, *self.gather)
+        return wait(), found
+
     def _failed(self, what: str, error: Exception) -> CollectiveError:
         src, dst = (from_torch(spec.placements) for spec in self.specs)
         return failed(what, src, dst, error, self.specs[0].mesh)
@@ -134,13 +149,14 @@ class _Inbox:
     a ``linear`` that reads the move. Once all ``readers`` of this forward are in, ``linear`` starts the
     move back (``start``) before its weight gradient; the move's backward ``take``-s the result.
     ``seq``: the move's autograd sequence number (a collective started early still belongs to it);
-    ``node``: the move's node, weakly."""
+    ``node``: the move's node, weakly; ``rows``: its readers' ``Rows`` by module, computed while
+    the move's all-gather ran."""
 
-    __slots__ = ("back", "what", "seq", "node", "readers", "entries")
+    __slots__ = ("back", "what", "seq", "node", "readers", "entries", "rows")
 
     def __init__(self, back, what: str, node):
         self.back, self.what, self.seq, self.node = back, what, node._sequence_nr(), weakref.ref(node)
-        self.readers, self.entries = 0, {}
+        self.readers, self.entries, self.rows = 0, {}, None
 
     def wanted(self) -> bool:
         """Whether the running backward runs the move's node (else no reader need hand in)."""
@@ -184,11 +200,14 @@ class _Move(torch.autograd.Function):
     """One transition forward, its dual backward, on local tensors."""
 
     @staticmethod
-    def forward(ctx, x, forward, backward, what, owned=False):
+    def forward(ctx, x, forward, backward, what, owned=False, during=None):
         ctx.set_materialize_grads(False)
-        ctx.backward, ctx.what, ctx.inbox = backward, what, None
+        ctx.backward, ctx.what, ctx.inbox, ctx.rows = backward, what, None, None
         if forward is None:
             return x.view_as(x)
+        if during is not None:
+            out, ctx.rows = forward.ahead(x, what, during)
+            return out
         out = forward(x, what, owned)
         if out is x:  # summed in place: the caller's own tensor
             ctx.mark_dirty(x)
@@ -199,7 +218,7 @@ class _Move(torch.autograd.Function):
         _first_order(ctx.what)
         if grad is not None and ctx.backward is not None:
             grad = ctx.backward(grad, f"the gradient of {ctx.what}")
-        return _plus(grad, None if ctx.inbox is None else ctx.inbox.take()), None, None, None, None
+        return _plus(grad, None if ctx.inbox is None else ctx.inbox.take()), None, None, None, None, None
 
 
 def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
@@ -228,18 +247,21 @@ class _Share(torch.autograd.Function):
     other reader. Entries of another backward (a graph backwarded twice) are never mixed in."""
 
     @staticmethod
-    def forward(ctx, x, forward, partial_back, whole_back, what, mesh):
+    def forward(ctx, x, forward, partial_back, whole_back, what, mesh, during):
         ctx.set_materialize_grads(False)
         ctx.whole_back, ctx.what = whole_back, what
         ctx.mesh, ctx.inbox = mesh, _Inbox(partial_back, what, ctx)
-        return x.view_as(x) if forward is None else forward(x, what)
+        if forward is None:
+            return x.view_as(x)
+        out, ctx.inbox.rows = forward.ahead(x, what, during)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         _first_order(ctx.what)
         if grad is not None and ctx.whole_back is not None:
             grad = ctx.whole_back(grad, f"the gradient of {ctx.what}")
-        return _plus(ctx.inbox.take(), grad), None, None, None, None, None
+        return _plus(ctx.inbox.take(), grad), None, None, None, None, None, None
 
 
 class _Contribute(torch.autograd.Function):
@@ -270,10 +292,12 @@ def unhooked(node, nr: int) -> tuple:
     return node, nr
 
 
-def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str, cache: dict) -> torch.Tensor:
+def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str, cache: dict,
+                     during=None) -> torch.Tensor:
     """Local ``x`` (laid out ``src``) replicated, for several modules to read: the partial
     gradients of the column-wise ones are summed before one move back to ``src`` (one
-    all-reduce for q, k and v, where each would otherwise send its own)."""
+    all-reduce for q, k and v, where each would otherwise send its own). ``during``: see
+    ``_Step.ahead``; its result (the readers' ``Rows``) goes to the replica's inbox."""
     shape = tuple(global_shape)
     if torch.compiler.is_compiling() or mesh.size() == 1:
         return move(x, src, _REPLICA, _REPLICA, mesh, shape, what, cache)
@@ -288,7 +312,7 @@ def replicate_shared(x: torch.Tensor, src, mesh, global_shape: tuple, what: str,
     forward, partial_back, whole_back = steps
     if not (x.requires_grad and torch.is_grad_enabled()):
         return forward(x, what) if forward else x
-    return _Share.apply(x, forward, partial_back, whole_back, what, mesh)
+    return _Share.apply(x, forward, partial_back, whole_back, what, mesh, during)
 
 
 def shared(x: torch.Tensor, mesh) -> _Inbox | None:
@@ -308,13 +332,14 @@ def reads_shared(src, dst, grad, mesh) -> bool:
 
 
 def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, cache: dict,
-         owned: bool = False):
+         owned: bool = False, during=None):
     """Local tensor ``x`` in layout ``src`` -> ``dst``; its gradient arrives in ``grad``
     (None: it needs none) and leaves in ``src``'s cotangent layout. ``what`` names it in
     errors; ``cache`` keeps the specs of moves on ``mesh`` seen before; ``owned``: ``x`` is
     the caller's own, held by no one else, so a sum may write it (Megatron's g, in place). A
     replica shared by several readers (``replicate_shared``) takes a partial gradient and
-    reduces it once."""
+    reduces it once. ``during``: see ``_Step.ahead`` (its result, ``Rows`` by module, stays on
+    the move's node for the linear that reads the move: ``linear``)."""
     shape = tuple(global_shape)
     if torch.compiler.is_compiling():
         return _traced_move(x, src, dst, grad, mesh, shape)
@@ -334,7 +359,7 @@ def move(x: torch.Tensor, src, dst, grad, mesh, global_shape: tuple, what: str, 
         return x
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
-    return _Move.apply(x, forward, backward, what, owned)
+    return _Move.apply(x, forward, backward, what, owned, during)
 
 
 def _traced_move(x, src, dst, grad, mesh, shape: tuple):
@@ -359,16 +384,17 @@ class _Linear(torch.autograd.Function):
     then computes the weight and bias gradients while it runs (Megatron's overlap); the
     move's backward waits for it. ``later``: the ``Later`` weight gradients of the module's
     siblings, the parameters ``extra``; a linear whose ``later`` is not its own hands its
-    gradient's operands in (``window`` False). The same numbers either way."""
+    gradient's operands in (``window`` False). ``own``: this rank's rows of the output,
+    computed while ``x``'s all-gather ran (``Rows``). The same numbers either way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, specs, share, inbox, overlap, later, window, *extra):
+    def forward(ctx, x, weight, bias, specs, share, inbox, overlap, later, window, own, *extra):
         ctx.save_for_backward(x, _local(weight))
         ctx.specs, ctx.inbox, ctx.overlap = specs, inbox, overlap
         ctx.later, ctx.window, ctx.params = later, window, (weight, bias)
         if window:
             later.node = weakref.ref(ctx)
-        return _local_linear(x, weight, bias, share)
+        return _local_linear(x, weight, bias, share) if own is None else own.whole(x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -391,7 +417,7 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, *_NONE, *later.grads()
 
 
-_NONE = (None,) * 6  # specs, share, inbox, overlap, later, window
+_NONE = (None,) * 7  # specs, share, inbox, overlap, later, window, own
 
 
 def _param_grads(g, x, specs, need) -> tuple:
@@ -497,14 +523,19 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     frozen parameters with nothing handed in: plain ``F.linear`` on their local tensors
     (which a second-order gradient differentiates again)."""
     weight, bias = module.weight, module.bias
-    grad = torch.is_grad_enabled()
+    grad, rows = torch.is_grad_enabled(), None
     if inbox is None and grad:
         node = x.grad_fn
         if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
             inbox = node.inbox
-        elif isinstance(node, _Move._backward_cls) and node.backward is not None and node.inbox is None:
-            inbox = node.inbox = _Inbox(node.backward, node.what, node)
-            inbox.readers = 1
+        elif isinstance(node, _Move._backward_cls):
+            rows = node.rows
+            if node.backward is not None and node.inbox is None:
+                inbox = node.inbox = _Inbox(node.backward, node.what, node)
+                inbox.readers = 1
+    if inbox is not None:
+        rows = inbox.rows
+    own = rows.pop(module, None) if rows else None  # (taken once)
     key = ("linear", spec_of(weight) if isinstance(weight, DTensor) else None,
            spec_of(bias) if isinstance(bias, DTensor) else None)
     found = cache.get(key)
@@ -517,6 +548,8 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     specs, share = found
     if not grad or inbox is None and not weight.requires_grad and not (bias is not None and bias.requires_grad):
         return _local_linear(x, weight, bias, share)  # (frozen with grad on: differentiable twice)
+    if own is not None and not (share == 1 and own.fits(module, x)):
+        own = None
     later, extra = None, ()
     if siblings is not None and overlap and not isinstance(module, FSDPModule):
         if inbox is not None and inbox.readers == 1:  # the window: its reduction starts first
@@ -525,7 +558,62 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
         else:
             later = siblings.later
     window = bool(extra)
-    return _Linear.apply(x, weight, bias, specs, share, inbox, overlap, later, window, *extra)
+    return _Linear.apply(x, weight, bias, specs, share, inbox, overlap, later, window, own, *extra)
+
+
+class Rows:
+    """A column-wise linear's output for this rank's slice of its gathered input, computed
+    while the all-gather brings the other ranks' slices (``_Step.ahead``: the forward's
+    overlap under sequence parallelism), with the local parameters it was computed from. The
+    linear computes the other rows once the input is whole (``whole``), where it still ``fits``:
+    the same parameters, unchanged; else it computes all of them as usual."""
+
+    __slots__ = ("rows", "dim", "rank", "weight", "bias", "versions")
+
+    def __init__(self, x: torch.Tensor, module: nn.Linear, dim: int, rank: int):
+        w, b = _local(module.weight), _local(module.bias)
+        with torch.no_grad():
+            self.rows = F.linear(x, w, b)
+        self.dim, self.rank, self.weight, self.bias = dim, rank, w, b
+        self.versions = _versions(module)
+
+    @staticmethod
+    def ahead(modules: tuple, x: torch.Tensor, dim: int, rank: int) -> dict:
+        """``{module: Rows}`` for each of ``modules`` (nn.Linear readers of the gathered ``x``)
+        that computes on its local shards here."""
+        return {m: Rows(x, m, dim, rank) for m in modules if _ahead(m, x)}
+
+    def fits(self, module: nn.Linear, x: torch.Tensor) -> bool:
+        """Whether these rows are ``module``'s for the gathered ``x``."""
+        return _local(module.weight) is self.weight and _local(module.bias) is self.bias \
+            and _versions(module) == self.versions and x.dtype == self.rows.dtype \
+            and 0 < self.rows.shape[self.dim] and x.shape[self.dim] % self.rows.shape[self.dim] == 0
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear of the whole gathered ``x``: these rows, and the other ranks' computed now."""
+        dim, size = self.dim, self.rows.shape[self.dim]
+        out = x.new_empty((*x.shape[:-1], self.rows.shape[-1]))
+        for k in range(x.shape[dim] // size):
+            part = self.rows if k == self.rank else F.linear(  # (on a matrix of rows, as this rank's)
+                x.narrow(dim, k * size, size).contiguous(), self.weight, self.bias)
+            out.narrow(dim, k * size, size).copy_(part)
+        return out
+
+
+def _versions(module: nn.Linear) -> tuple:
+    """The version counters of a linear's parameters and their local tensors (an in-place op
+    on a DTensor counts on the DTensor alone; one on its local tensor, on that alone)."""
+    return tuple(None if p is None else (p._version, _local(p)._version) for p in (module.weight, module.bias))
+
+
+def _ahead(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module``'s rows can be computed from ``x`` before its forward: a plain
+    nn.Linear (not an FSDP unit, whose parameters are gathered in its own forward) on DTensor
+    parameters of a matching width and dtype, with no forward pre-hook (which may change its
+    weight in ways no version counter sees: ``weight.data``), no autocast."""
+    return type(module) is nn.Linear and not pre_hooked(module) \
+        and direct(x) and isinstance(module.weight, DTensor) and _local(module.weight).shape[-1] == x.shape[-1] \
+        and _local(module.weight).dtype == x.dtype and (module.bias is None or isinstance(module.bias, DTensor))
 
 
 class Siblings:

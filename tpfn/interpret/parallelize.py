@@ -30,8 +30,8 @@ from tpfn._fqn import describe, join
 from tpfn._torch import current_mesh
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import (Siblings, direct, dropout_slice, linear, local_params, param_slots, placements,
-                                  reads_shared, shared, vocab_mask, writable)
+from tpfn.interpret.moves import (Rows, Siblings, direct, dropout_slice, linear, local_params, param_slots,
+                                  placements, reads_shared, shared, vocab_mask, writable)
 from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
                                     shard_params, unpackable)
 from tpfn.interpret.rng import sharded
@@ -74,6 +74,9 @@ class Runtime:
         # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
         self.reader = first is not None and not first.untouched and first.grad is None and reads_shared(
             first.source, first.out, self.grads[0], mesh)
+        # the forward's overlap: while an input's all-gather runs, the linear's own rows of it
+        # (a parent's shared replica: its readers' rows, which parallelize sets)
+        self.during = functools.partial(Rows.ahead, (module,)) if overlap and self.linear else None
 
     def __call__(self, *args, **kwargs):
         mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
@@ -94,9 +97,11 @@ class Runtime:
                 and not mount.inputs.slots[0].untouched:
             shape = global_shape(first, mount.inputs.slots[0], mesh, shapes,
                                  f"input 0 of {mount.where}", exact=kernel.random == "slice")
+        during = self.during if kernel is None or len(args) == 1 and not kwargs and direct(args[0]) else None
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache, first_shape=shape, share=kernel is None)
+                                      cache=self.cache, first_shape=shape, share=kernel is None,
+                                      during=during)
         if kernel is None:
             if self.starts is not None:
                 self.starts(args, kwargs)
@@ -286,11 +291,14 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             linears.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _described(m, sub))
-    for runtimes in linears.values():  # a window's siblings: their weight gradients overlap its reduction
-        if len(runtimes) > 1:
+    for parent, runtimes in linears.items():
+        if len(runtimes) > 1:  # a window's siblings: their weight gradients overlap its reduction
             siblings = Siblings(tuple(r.module for r in runtimes))
             for r in runtimes:
                 r.siblings = siblings
+        owner, readers = runtime(modules[parent]), tuple(r.module for r in runtimes if r.reader)
+        if overlap and readers and owner is not None and owner.mount.kernel is None:
+            owner.during = functools.partial(Rows.ahead, readers)  # their rows while its input gathers
     return module
 
 

@@ -17,6 +17,8 @@ next module annotates it again (PyTorch infers an even split there, torchtitan#1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -222,20 +224,21 @@ def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = Fals
 
 
 def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
-            shape=None, share: bool = False, owned: bool = False):
+            shape=None, share: bool = False, owned: bool = False, during=None):
     """One input or output through its slot: a local tensor (``local``) or a DTensor in the
     slot's layout. A local tensor handed on gets its gradient back in ``grad`` (None: it
     needs none); ``shape`` is the global shape where the caller knows it better; ``share``:
     a local replica handed on is shared by several modules, which reduce their partial
     gradients once (``tpfn.interpret.moves.replicate_shared``); ``owned``: ``x`` is the
-    caller's own (a linear's fresh output), which a local move's sum may write."""
+    caller's own (a linear's fresh output), which a local move's sum may write; ``during``: work
+    for the time a local move's all-gather runs (``tpfn.interpret.moves.Rows.ahead``)."""
     if x is None or slot.untouched:
         return x
     src = slot.source
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
         if local and share and placements(slot.out, x.ndim)[0].is_replicate():
-            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape, what, cache)
+            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape, what, cache, during)
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
@@ -250,9 +253,9 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
         elif not isinstance(shape, tuple):
             shape = tuple(shape)
         if local and share and out[0].is_replicate():
-            return replicate_shared(x, src, mesh, shape, what, cache)
+            return replicate_shared(x, src, mesh, shape, what, cache, during)
         if local:  # the fast path: local tensors all the way
-            moved = move(x, src, slot.out, grad, mesh, shape, what, cache, owned)
+            moved = move(x, src, slot.out, grad, mesh, shape, what, cache, owned, during)
             shapes.remember(moved, out, shape, mesh)
             return moved
         dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape,
@@ -289,13 +292,14 @@ def _source(x):
 
 def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *, names: tuple = (),
                    where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
-                   cache: dict | None = None, first_shape: tuple | None = None, share: bool = False) -> tuple:
+                   cache: dict | None = None, first_shape: tuple | None = None, share: bool = False,
+                   during: Callable | None = None) -> tuple:
     """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
 
     ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
     its forward's positional input names, for inputs passed by keyword; ``grads``: the layout
     of each local input's gradient, by default its layout's cotangent; ``first_shape``: input
-    0's global shape where the caller knows it; ``share``: see ``convert``).
+    0's global shape where the caller knows it; ``share`` and ``during``: see ``convert``).
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -321,7 +325,7 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
             if seen is source and i == index and at == slot and back == grad:
                 return out
         out = convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
-                      shapes=shapes, cache=cache, shape=shape, share=share)
+                      shapes=shapes, cache=cache, shape=shape, share=share, during=during)
         if isinstance(x, torch.Tensor):
             done.append((source, index, slot, grad, out))
         return out
