@@ -441,30 +441,50 @@ class _Rows(Ops):
         return out
 
 
-def _forward_rows(overlap: bool):
+def _forward_rows(overlap: bool, own_slot: bool):
     m = mesh(2)
-    tp = tpfn.parallelize(QKV(), m, SP_PLAN, overlap=overlap)
-    x = torch.randn(2, 3, 8, requires_grad=True)  # this rank's 3 of 6 positions
+    torch.manual_seed(0)
+    if own_slot:  # the linear gathers its own input
+        model, plan = nn.Linear(8, 8), {"": prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate())}
+    else:  # q, k and v read their parent's gathered input
+        model, plan = QKV(), SP_PLAN
+    tp = tpfn.parallelize(clone(model), m, plan, overlap=overlap)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    mine = x.chunk(2, 1)[torch.distributed.get_rank()].clone().requires_grad_()  # 3 of 6 positions
     with _Rows({}) as seen:
-        tp(x)
-    return seen.ops
+        y = tp(mine)
+    y.pow(2).sum().backward()
+    ref = clone(model)
+    x.requires_grad_()
+    expected = ref(x)
+    expected.pow(2).sum().backward()
+    error = max(rel_err(mine.grad, x.grad.chunk(2, 1)[torch.distributed.get_rank()]),
+                *(rel_err(p.grad, dict(ref.named_parameters())[n].grad) for n, p in tp.named_parameters()))
+    return seen.ops, error
 
 
-def test_a_gathered_input_is_computed_on_while_the_rest_arrives(ranks2):
+@pytest.mark.parametrize("own_slot", [False, True], ids=["parent's replica", "own slot"])
+def test_a_gathered_input_is_computed_on_while_the_rest_arrives(ranks2, own_slot):
     # After the ranks' sequence lengths are gathered (the first all-gather), q, k and v read
     # the parent's gathered input (2 x 6 positions, 12 rows): with overlap, each computes this
     # rank's 6 rows while the all-gather runs, then the other rank's 6; without, all 12 once
-    # the gather is done; o (row-wise) reads its whole input either way.
-    on, off = ranks2.run(_forward_rows, True)[0], ranks2.run(_forward_rows, False)[0]
-    assert on == ["all_gather", "all_gather", 6, 6, 6, 6, 6, 6, 12]
-    assert off == ["all_gather", "all_gather", 12, 12, 12, 12]
+    # the gather is done; o (row-wise) reads its whole input either way. A linear gathering its
+    # own input alike (its output then gathered along its last dim).
+    (on, on_error), (off, off_error) = (ranks2.run(_forward_rows, o, own_slot)[0] for o in (True, False))
+    if own_slot:
+        assert on == ["all_gather", "all_gather", 6, 6, "all_gather"]
+        assert off == ["all_gather", "all_gather", 12, "all_gather"]
+    else:
+        assert on == ["all_gather", "all_gather", 6, 6, 6, 6, 6, 6, 12]
+        assert off == ["all_gather", "all_gather", 12, 12, 12, 12]
+    assert on_error <= TOL and off_error <= TOL
 
 
 class _Ahead(QKV):
     """QKV whose forward reads the gathered input in ways its rows computed ahead must not
     be used for: q's weight changed in place (by the forward, or by a pre-hook through
-    ``.data``, which no version counter sees), k applied twice, v on another tensor, a reader
-    left out."""
+    ``.data``, which no version counter sees), the gathered input changed in place, k applied
+    twice, v on another tensor, a reader left out."""
 
     case = "plain"
 
@@ -472,6 +492,9 @@ class _Ahead(QKV):
         if self.case == "q's weight changed in place":  # after the gather, before q computes
             with torch.no_grad():
                 self.q.weight.mul_(0.5)
+        if self.case == "the gathered input changed in place":
+            with torch.no_grad():
+                x.mul_(2)
         if self.case == "k twice":
             return self.o(self.q(x) + self.k(x) + self.k(x.detach() * 0 + x))
         if self.case == "v on another tensor":
@@ -490,8 +513,8 @@ def _ahead_cases():
     rank = torch.distributed.get_rank()
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
     errors = {}
-    for case in ("plain", "q's weight changed in place", "q's weight changed by a hook", "k twice",
-                 "v on another tensor", "v left out"):
+    for case in ("plain", "q's weight changed in place", "q's weight changed by a hook",
+                 "the gathered input changed in place", "k twice", "v on another tensor", "v left out"):
         ref = _Ahead()
         ref.case = case
         tp = tpfn.parallelize(clone(ref), m, SP_PLAN)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections import Counter
 
 import attrs
@@ -106,7 +107,7 @@ class _Recorder(TorchDispatchMode):
         self.nodes = nodes  # where given: the autograd position of each collective
         self.open: list = []  # (fqn, first sequence number) of the modules running forward
         self.spans: list = []  # (first, end, fqn) of finished forwards
-        self.gathers: dict = {}  # id of a forward all-gather's input -> (that input, its comm's index)
+        self.gather = None  # (the latest forward all-gather's input, weakly; its comm's index)
 
     def enter(self, fqn):
         self.open.append((fqn, _sequence_nr()))
@@ -145,24 +146,20 @@ class _Recorder(TorchDispatchMode):
             n = _group_size(named)
             whole = _numel(sent) * (n if op_kind in ("all_gather", "all_to_all") else 1)
             if phase == "forward" and op_kind == "all_gather" and isinstance(sent, torch.Tensor):
-                base = _base(sent)
-                self.gathers[id(base)] = (base, len(self.comms))
+                self.gather = (weakref.ref(_base(sent)), len(self.comms))
             self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent), early))
             if self.nodes is not None:
                 self.nodes.append(next_sequence_nr() if phase == "forward" else seq)
         return func(*args, **kwargs)
 
     def _rows(self, args) -> None:
-        """A forward matrix product of rows of a forward all-gather's own input (this rank's
-        slice, computed while the gather runs: ``tpfn.interpret.moves.Rows``) counts as one
-        linear overlapping that gather."""
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                found = self.gathers.get(id(_base(a)))
-                if found is not None:
-                    i = found[1]
-                    self.comms[i] = attrs.evolve(self.comms[i], overlaps=self.comms[i].overlaps + 1)
-                    return
+        """A forward matrix product of the latest forward all-gather's own input (this rank's
+        slice: the rows ``tpfn.interpret.moves.Rows`` computes right after the gather starts)
+        counts as one linear overlapping that gather."""
+        source = None if self.gather is None else self.gather[0]()
+        if source is not None and any(isinstance(a, torch.Tensor) and _base(a) is source for a in args):
+            i = self.gather[1]
+            self.comms[i] = attrs.evolve(self.comms[i], overlaps=self.comms[i].overlaps + 1)
 
 
 _PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)

@@ -128,15 +128,22 @@ class _Step:
 
     def ahead(self, x: torch.Tensor, what: str, during):
         """``(x moved, during(x, dim, rank))``: where the move is a plain all-gather along
-        ``dim``, ``during`` computes with this rank's slice while the other ranks' arrive
-        (else its result is None, and nothing runs beside the move)."""
+        ``dim``, ``during`` computes ``{module: Rows}`` from this rank's slice while the other
+        ranks' arrive (else the result is None, and nothing runs beside the move)."""
         if self.gather is None or type(x) is not torch.Tensor or during is None:
             return self(x, what), None
         if x.is_meta:  # (a dry run: the same work, nothing in flight)
-            return self(x, what), during(x, *self.gather)
-        wait = self.start(x, what)
-        found = during(x, *self.gather)
-        return wait(), found
+            out = self(x, what)
+            found = during(x, *self.gather)
+        else:
+            wait = self.start(x, what)
+            try:
+                found = during(x, *self.gather)
+            finally:
+                out = wait()
+        for rows in found.values():
+            rows.version = out._version  # (the gathered tensor changed in place: not the rows' input)
+        return out, found
 
     def _failed(self, what: str, error: Exception) -> CollectiveError:
         src, dst = (from_torch(spec.placements) for spec in self.specs)
@@ -385,7 +392,8 @@ class _Linear(torch.autograd.Function):
     move's backward waits for it. ``later``: the ``Later`` weight gradients of the module's
     siblings, the parameters ``extra``; a linear whose ``later`` is not its own hands its
     gradient's operands in (``window`` False). ``own``: this rank's rows of the output,
-    computed while ``x``'s all-gather ran (``Rows``). The same numbers either way."""
+    computed while ``x``'s all-gather ran (``Rows``). The same numbers either way (the rows of
+    a product in pieces: bit for bit where the kernel computes each row alone, as the CPU's do)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, specs, share, inbox, overlap, later, window, own, *extra):
@@ -524,17 +532,18 @@ def linear(x: torch.Tensor, module: nn.Linear, kernel, mesh, overlap: bool, cach
     (which a second-order gradient differentiates again)."""
     weight, bias = module.weight, module.bias
     grad, rows = torch.is_grad_enabled(), None
-    if inbox is None and grad:
+    if inbox is not None:  # a shared replica's reader, found by the caller
+        rows = inbox.rows
+    elif grad:
         node = x.grad_fn
         if isinstance(node, _Contribute._backward_cls):  # a shared replica's reader
             inbox = node.inbox
-        elif isinstance(node, _Move._backward_cls):
-            rows = node.rows
+            rows = inbox.rows
+        elif isinstance(node, _Move._backward_cls):  # its own slot's move
+            rows, node.rows = node.rows, None
             if node.backward is not None and node.inbox is None:
                 inbox = node.inbox = _Inbox(node.backward, node.what, node)
                 inbox.readers = 1
-    if inbox is not None:
-        rows = inbox.rows
     own = rows.pop(module, None) if rows else None  # (taken once)
     key = ("linear", spec_of(weight) if isinstance(weight, DTensor) else None,
            spec_of(bias) if isinstance(bias, DTensor) else None)
@@ -565,17 +574,17 @@ class Rows:
     """A column-wise linear's output for this rank's slice of its gathered input, computed
     while the all-gather brings the other ranks' slices (``_Step.ahead``: the forward's
     overlap under sequence parallelism), with the local parameters it was computed from. The
-    linear computes the other rows once the input is whole (``whole``), where it still ``fits``:
-    the same parameters, unchanged; else it computes all of them as usual."""
+    linear computes the other rows once the input is whole (``whole``), where they still ``fit``:
+    the same parameters and gathered tensor, unchanged; else it computes all of them as usual."""
 
-    __slots__ = ("rows", "dim", "rank", "weight", "bias", "versions")
+    __slots__ = ("rows", "dim", "rank", "weight", "bias", "versions", "version")
 
     def __init__(self, x: torch.Tensor, module: nn.Linear, dim: int, rank: int):
         w, b = _local(module.weight), _local(module.bias)
         with torch.no_grad():
             self.rows = F.linear(x, w, b)
         self.dim, self.rank, self.weight, self.bias = dim, rank, w, b
-        self.versions = _versions(module)
+        self.versions, self.version = _versions(module), None  # (the gathered tensor's: ``_Step.ahead``)
 
     @staticmethod
     def ahead(modules: tuple, x: torch.Tensor, dim: int, rank: int) -> dict:
@@ -584,9 +593,9 @@ class Rows:
         return {m: Rows(x, m, dim, rank) for m in modules if _ahead(m, x)}
 
     def fits(self, module: nn.Linear, x: torch.Tensor) -> bool:
-        """Whether these rows are ``module``'s for the gathered ``x``."""
+        """Whether these rows are ``module``'s for the gathered ``x`` (unchanged since)."""
         return _local(module.weight) is self.weight and _local(module.bias) is self.bias \
-            and _versions(module) == self.versions and x.dtype == self.rows.dtype \
+            and _versions(module) == self.versions and x._version == self.version and x.dtype == self.rows.dtype \
             and 0 < self.rows.shape[self.dim] and x.shape[self.dim] % self.rows.shape[self.dim] == 0
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
