@@ -97,7 +97,8 @@ class Runtime:
                 and not mount.inputs.slots[0].untouched:
             shape = global_shape(first, mount.inputs.slots[0], mesh, shapes,
                                  f"input 0 of {mount.where}", exact=kernel.random == "slice")
-        during = self.during if kernel is None or len(args) == 1 and not kwargs and direct(args[0]) else None
+        during = self.during if self.during is not None and (
+            kernel is None or len(args) == 1 and not kwargs and direct(args[0])) else None
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
                                       cache=self.cache, first_shape=shape, share=kernel is None,
