@@ -53,15 +53,16 @@ class Runtime:
     arrives, and ``starts(args, kwargs)`` the inputs as the module's own computation starts
     (``tpfn.explain`` reads layouts, and where each slot's moves end, with them)."""
 
-    def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True):
+    def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True, kernels: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
+        self.kernels = kernels
         self.overlap, self.cache, self.watch, self.starts = overlap, {}, None, None
         self.siblings = None  # the linears of its parent (parallelize sets them)
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
         self.slots = param_slots(module, mount.owned) if kernel is not None else ()
-        self.linear = kernel is not None and type(module) is nn.Linear and not kernel.vocab \
+        self.linear = kernels and kernel is not None and type(module) is nn.Linear and not kernel.vocab \
             and kernel.random is None and getattr(self.forward, "__func__", None) is nn.Linear.forward
         self.grads = tuple(
             kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
@@ -72,7 +73,7 @@ class Runtime:
         first = mount.inputs.slots[0] if self.linear and mount.inputs.slots \
             and mount.inputs.arity in (None, 1) else None
         # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
-        self.reader = first is not None and not first.untouched and first.grad is None and reads_shared(
+        self.reader = kernels and first is not None and not first.untouched and first.grad is None and reads_shared(
             first.source, first.out, self.grads[0], mesh)
         # the forward's overlap: while an input's all-gather runs, the linear's own rows of it
         # (a parent's shared replica: its readers' rows, which parallelize sets)
@@ -101,7 +102,7 @@ class Runtime:
             kernel is None or len(args) == 1 and not kwargs and direct(args[0])) else None
         args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
                                       where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache, first_shape=shape, share=kernel is None,
+                                      cache=self.cache, first_shape=shape, share=kernel is None and self.kernels,
                                       during=during)
         if kernel is None:
             if self.starts is not None:
@@ -226,7 +227,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
-                *, src_rank: int | None = 0, overlap: bool = True) -> nn.Module:
+                *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -240,6 +241,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     waits for it after, as Megatron-LM does; the weight gradients of the other linears of its parent
     that ran after it (k, v and o after q; the MLP's second after its first) are computed then too,
     by its backward; ``False`` waits at once (the same collectives, the same numbers, bit for bit).
+    ``kernels``: ``False`` runs every bound module through the reference path alone (each input
+    moved once to the layout its module computes with, the module's own forward on local views or
+    DTensors, each output moved once), which defines what a plan computes.
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -253,8 +257,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     >>> mlp[0].weight.placements, mlp(torch.ones(2, 8)).shape
     ((Shard(dim=0),), torch.Size([2, 8]))
     """
-    if not isinstance(overlap, bool):
-        raise TypeError(f"'overlap' must be True or False (got {overlap!r}).")
+    for flag, value in (("overlap", overlap), ("kernels", kernels)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag!r} must be True or False (got {value!r}).")
     if not isinstance(module, nn.Module):
         raise TypeError(f"'module' must be an nn.Module (got {module!r} that is a {type(module)!r}).")
     if plan is None:
@@ -287,7 +292,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
                 state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
-        sub.forward = Runtime(m, mesh, state, sub, overlap)
+        sub.forward = Runtime(m, mesh, state, sub, overlap, kernels)
         if sub.forward.linear:
             linears.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
@@ -298,7 +303,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for r in runtimes:
                 r.siblings = siblings
         owner, readers = runtime(modules[parent]), tuple(r.module for r in runtimes if r.reader)
-        if overlap and readers and owner is not None and owner.mount.kernel is None:
+        if overlap and kernels and readers and owner is not None and owner.mount.kernel is None:
             owner.during = functools.partial(Rows.ahead, readers)  # their rows while its input gathers
     return module
 
