@@ -51,7 +51,9 @@ GROUPS = (  # (label, predicate on (file, line, function)); first match wins; se
     ("moves: move, _Move, _Step, _steps, placements (moves.py, collectives.py)",
      lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/interpret/collectives.py"))),
     ("shape memory: Shapes, recall, TENSOR_SHAPES (state.py, _torch.py)",
-     lambda f, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith(("flush", "_accum")))
+     lambda f, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith((
+         "_accum", "_hook", "_reached", "_reduce", "_param", "_partial", "params", "arm", "watch",
+         "running", "join", "__call__")))
      or (f.endswith("tpfn/_torch.py") and "Weak" in n) or f.endswith("weakref.py")),
     ("partial-grad flush and hooks (state.py PartialGrads)",
      lambda f, n: f.endswith("tpfn/interpret/state.py")),

@@ -4,7 +4,9 @@
 sequence parallelism. Four variants per model, stepped in turn on the same batches:
 native TP with PyTorch's plan; tpfn with the very same plan (``tpfn.from_torch``); tpfn
 with its recommended plan (the Megatron minimum: q, k, v and gate, up share one annotated
-input), with its backward overlap (the default) and without (``overlap=False``). Two more: a hand-written Megatron-style version (``benchmarks.handwritten``: plain
+input), with its backward overlap (the default), without (``overlap=False``), and on the
+reference route alone (``kernels=False``: what the kernels buy). Two more: a hand-written
+Megatron-style version (``benchmarks.handwritten``: plain
 parameters of the local shards, the same collectives) and the same local compute with every
 collective left out. The hand-written version's loss is checked against one device's (the
 whole model stepped on the same batches, not timed); a gap beyond float32 noise fails the run.
@@ -107,7 +109,7 @@ def _llama_sp_plan(layer: str) -> dict:
 
 
 VARIANTS = ("native", "tpfn, same plan", "tpfn, recommended plan", "tpfn, no overlap",
-            "hand-written", "compute alone")
+            "tpfn, kernels=False", "hand-written", "compute alone")
 TOLERANCE = 1e-5  # the hand-written baseline's loss against one device's, relative (float32 noise)
 
 
@@ -143,11 +145,12 @@ def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
         "native": parallelize_module(build(), m, native_plan),
         "tpfn, same plan": tpfn.parallelize(build(), m, tpfn.from_torch(native_plan)),
     }
-    for name, overlap in (("tpfn, recommended plan", True), ("tpfn, no overlap", False)):
+    for name, overlap, kernels in (("tpfn, recommended plan", True, True), ("tpfn, no overlap", False, True),
+                                   ("tpfn, kernels=False", True, False)):
         best = build()
         models[name] = tpfn.parallelize(
             best, m, recommended if recommended is not None else tpfn.from_hf(best.tp_plan, best),
-            overlap=overlap)
+            overlap=overlap, kernels=kernels)
     if model_name == "reference":
         for model in models.values():
             local_heads(model, 2)
@@ -205,16 +208,17 @@ def run(quick: bool = False) -> Table:
 
     table = Table("step_time", "Step time (forward, backward, Adam), 2 gloo ranks",
                   ["model", "sequence parallel", "Adam", "native ms", "tpfn same plan ms",
-                   "tpfn recommended ms", "no overlap ms", "hand-written ms", "compute alone ms",
-                   "same / native", "recommended / native", "overlap / no overlap",
-                   "tpfn / hand-written", "no overlap / hand-written", "tpfn / compute"])
+                   "tpfn recommended ms", "no overlap ms", "kernels=False ms", "hand-written ms",
+                   "compute alone ms", "same / native", "recommended / native", "overlap / no overlap",
+                   "tpfn / hand-written", "no overlap / hand-written", "kernels=False / hand-written",
+                   "tpfn / compute"])
     steps = 5 if quick else 60
     spreads, overlaps = [], []
     with Ranks(2) as ranks:
         for model, sp, fused in itertools.product(("reference", "llama"), (False, True),
                                                   (False, True)):
             result = ranks.run(_steps, model, sp, steps, fused, timeout=900)[0]
-            native, same, best, sync, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
+            native, same, best, sync, ref, hand, compute = (result["median"][k] * 1e3 for k in VARIANTS)
             label = f"{model}, sp {'on' if sp else 'off'}, {'fused' if fused else 'loop'} Adam"
             losses = result["losses"]
             hand_gap = _gap(losses["hand-written"], losses["one device"])
@@ -226,8 +230,8 @@ def run(quick: bool = False) -> Table:
                     f"one device {losses['one device']}")
             table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
                       "on" if sp else "off", "fused" if fused else "loop", native, same, best,
-                      sync, hand, compute, same / native, best / native, best / sync,
-                      best / hand, sync / hand, best / compute)
+                      sync, ref, hand, compute, same / native, best / native, best / sync,
+                      best / hand, sync / hand, ref / hand, best / compute)
             gap = _gap(losses["tpfn, same plan"], losses["native"])
             table.target(f"{label}: tpfn/native <= 1.00 "
                          f"(losses agree to {gap:.0e})", best / native <= 1.0)

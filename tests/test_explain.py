@@ -1,5 +1,6 @@
 """tpfn.explain: a dry run on fake ranks predicts what the plan really does, entry by entry."""
 
+import collections
 import json
 import re
 from html.parser import HTMLParser
@@ -392,7 +393,7 @@ module      style | layout                global -> local | steps  forward      
 
 collectives per step: forward 1 all_reduce; backward 1 all_reduce; total 2 all_reduce
 bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
-overlapping weight gradients: 1 of 1 backward collectives (2 linears)
+overlapping weight gradients: 1 of 1 backward collectives
 parameter bytes per rank: 2,176 B (2.1 KiB)"""
     model = local_heads(transformer(vocab_size=16, n_layers=3), 2)
     table = tpfn.explain(model, transformer_plan(True), world_size=2,
@@ -810,18 +811,21 @@ def test_hugging_face_attention_gets_no_head_lints():
         tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)
 
 
-def test_each_forward_all_gather_counts_the_linears_computing_this_ranks_rows_meanwhile():
-    # Under sequence parallelism: per layer, the attention's gather (q, k and v) and w1's own
-    # (one linear); the head's input gather (one); not the logits' gather, along their last dim.
-    model = local_heads(transformer(vocab_size=64, dim=32, n_heads=4, n_layers=4, max_seq_len=16), 2)
-    rows = {**{f"layers.{i}.attention": 3 for i in range(4)},
-            **{f"layers.{i}.feed_forward.w1": 1 for i in range(4)}, "output": 1}
-    for overlap in (True, False):
-        report = tpfn.explain(model, transformer_plan(True), world_size=2, example_inputs=(2, 16),
-                              overlap=overlap)
-        gathers = {c.fqn: c.overlaps for c in report.comms
-                   if c.phase == "forward" and c.kind == "all_gather" and c.numel == 2 * 16 * 32}
-        assert gathers == (rows if overlap else dict.fromkeys(rows, 0))
-        lines = [f"{label}: {text}" for label, text in report.totals() if label.startswith("overlapping this")]
-        assert lines == (["overlapping this rank's rows: 9 of 10 forward all-gathers (17 linears)"]
-                         if overlap else [])
+def test_the_dry_run_takes_the_route_a_real_run_takes():
+    # q, k and v read their attention's replica: with kernels, one all-reduce of their summed
+    # partial input gradients (the replica's, in the attention); on the reference route, each its
+    # own. Each linear kernel that moves its input gradient back computes its weight gradient
+    # meanwhile (overlap): w1 and the head.
+    model = local_heads(transformer(vocab_size=64, dim=32, n_heads=4, n_layers=2, max_seq_len=16), 2)
+    for sp in (False, True):
+        reports = {kernels: tpfn.explain(model, transformer_plan(sp), world_size=2, example_inputs=(2, 16),
+                                         kernels=kernels) for kernels in (True, False)}
+        back = {k: collections.Counter(c.fqn for c in r.comms if c.phase == "backward"
+                                       and c.kind in ("all_reduce", "reduce_scatter"))
+                for k, r in reports.items()}
+        assert back[True]["layers.0.attention"] == 1 and back[True]["layers.0.attention.wq"] == 0
+        assert back[False]["layers.0.attention"] == 0 and back[False]["layers.0.attention.wq"] == 1
+        assert sum(back[False].values()) == sum(back[True].values()) + 2 * 2  # 2 of 3 per layer
+        overlapping = {c.fqn for c in reports[True].comms if c.phase == "backward" and c.overlaps}
+        assert overlapping == {"layers.0.feed_forward.w1", "layers.1.feed_forward.w1", "output"}, sp
+        assert not any(c.overlaps for c in reports[False].comms)

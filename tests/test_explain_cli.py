@@ -128,7 +128,7 @@ module      style      forward             backward
 collectives per step: forward 1 all_reduce; backward 1 all_reduce;
   total 2 all_reduce
 bytes per rank per step: forward 768 B; backward 768 B; total 1,536 B (1.5 KiB)
-overlapping weight gradients: 1 of 1 backward collectives (2 linears)
+overlapping weight gradients: 1 of 1 backward collectives
 parameter bytes per rank: 2,176 B (2.1 KiB)"""
     for width in (0, 39, 80.0, True):
         with pytest.raises(ValueError, match="'width' must be None \\(no limit\\) or at least 40 "):
@@ -279,7 +279,7 @@ def test_the_package_ships_its_subpackages_and_types():
     assert config["tool"]["setuptools"]["package-data"] == {"tpfn": ["py.typed"]}
     assert (ROOT / "tpfn" / "py.typed").is_file()
     subpackages = {p.parent.name for p in (ROOT / "tpfn").glob("*/__init__.py")}
-    assert subpackages == {"adapters", "dryrun", "interpret", "plans", "style", "training"}
+    assert subpackages == {"adapters", "dryrun", "interpret", "kernels", "plans", "style", "training"}
     project = config["project"]
     assert "torch>=2.13,<2.15" in project["dependencies"]  # private torch APIs: checked on 2.13, 2.14
     assert "urls" not in project and "Typing :: Typed" in project["classifiers"]

@@ -47,8 +47,7 @@ def test_a_slot_shows_the_all_reduce_its_backward_sends():
     flow = figures.flows(report)[("layers.0.attention", "input 0")]
     assert flow.forward == () and len(flow.backward) == 1
     j = flow.backward[0]
-    assert report.comms[j] == Comm("layers.0.attention", "backward", "all_reduce", 2 * 8 * 64, 2, 4,
-                                   overlaps=4)  # started in q's backward, before its weight gradient and k's, v's and o's
+    assert report.comms[j] == Comm("layers.0.attention", "backward", "all_reduce", 2 * 8 * 64, 2, 4)
     page = Page(report.to_html())
     row = page.texts["s-layers.0.attention/input_0"]
     assert "nothing moves" in row and f"#{j + 1}" in row and "all_reduce" in row

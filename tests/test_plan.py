@@ -1,6 +1,9 @@
 """Plans: values from FQN patterns to styles, resolved purely, with every problem in one error."""
 
 import copy
+import functools
+import gc
+import weakref
 
 import pytest
 import torch.nn as nn
@@ -111,6 +114,32 @@ def test_resolution_is_pure():
     assert all(v.equal(before[k]) for k, v in model.state_dict().items())
     assert hooks == [len(m._forward_pre_hooks) for m in model.modules()]
     assert p == plan(transformer_plan(sp=True))
+
+
+
+def _partial_forward(m):  # a forward set on the instance, as accelerate's hooks install it
+    m.forward = functools.update_wrapper(functools.partial(type(m).forward, m), type(m).forward)
+
+
+def _closure_forward(m):  # a wrapper closure over the module, as other libraries install it
+    old = m.forward
+
+    @functools.wraps(old)
+    def forward(*args, **kwargs):
+        return old(*args, **kwargs)
+    m.forward = forward
+
+
+@pytest.mark.parametrize("wrap", [_partial_forward, _closure_forward])
+def test_resolving_a_plan_keeps_no_module_alive(wrap):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    for m in model:
+        wrap(m)
+    assert len(resolve({"0": colwise(), "1": rowwise()}, model)) == 2
+    refs = [weakref.ref(m) for m in (model, *model)]
+    del model, m
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 @given(st.permutations(sorted(transformer_plan(sp=True).items())))

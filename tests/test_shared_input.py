@@ -1,10 +1,12 @@
-"""A local replica that several column-wise modules read reduces their gradients once.
+"""A local replica that only column-wise modules read reduces their gradients once.
 
 ``prepare_in(Replicate(), local=True)`` on a parent of q, k and v hands its forward a plain
-local tensor; the three projections' partial input gradients are summed, then all-reduced
-once (Megatron's one f for the three), and whatever else reads the tensor adds its whole
-gradient unreduced. Every case is checked against one device (outputs, the input's
-gradient and every parameter's) and by its exact collective count.
+local tensor; where only the three projections read it, their partial input gradients are
+summed by autograd, then all-reduced once (Megatron's one f for the three:
+``tpfn.kernels.linear.Group``). Where anything else reads or observes it (a residual, a user's
+backward hook on a reader), each reader reduces its own, as native TP does. Every case is
+checked against one device (outputs, the input's gradient and every parameter's) and by its
+exact collective count.
 """
 
 import torch
@@ -68,6 +70,8 @@ def _cases():
         "behind backward hooks": _run(True, shared, hooks=True),
         "as DTensors": _run(False, prepare_in(Replicate())),
         "gathered from a sequence shard": _run(
+            False, prepare_in(Shard(1), desired=Replicate(), local=True), split=1),
+        "gathered, a direct reader too": _run(
             True, prepare_in(Shard(1), desired=Replicate(), local=True), split=1),
     }
 
@@ -78,15 +82,18 @@ def test_a_shared_replica_reduces_its_readers_gradients_once(ranks2):
         assert error <= TOL, name
     # forward: o's all-reduce; backward: one all-reduce for q, k and v together
     assert cases["children only"][0] == {"all_reduce": 2}
-    # the direct reader's gradient is whole on every rank: added after the one reduction
-    assert cases["a direct reader too"][0] == {"all_reduce": 2}
-    assert cases["behind backward hooks"][0] == {"all_reduce": 2}
+    # a direct reader's gradient is whole: each of q, k and v reduces its own, as native TP
+    assert cases["a direct reader too"][0] == {"all_reduce": 4}
+    # a user's backward hook on a reader sees its whole input gradient: each reduces its own
+    assert cases["behind backward hooks"][0] == {"all_reduce": 4}
     assert cases["behind backward hooks"][2] == 3  # the user's hooks ran
     assert cases["as DTensors"][0] == {"all_reduce": 2}
     # all-gather forward (after the ranks exchange the hand-split input's local shapes, a
     # second all-gather); reduce-scatter of the summed partial gradients backward
     assert cases["gathered from a sequence shard"][0] == {
         "all_gather": 2, "all_reduce": 1, "reduce_scatter": 1}
+    # each reader all-reduces its own; the whole sum is chunked back to the sequence shard
+    assert cases["gathered, a direct reader too"][0] == {"all_gather": 2, "all_reduce": 4}
 
 
 def _twice():
@@ -159,9 +166,8 @@ def test_a_reader_without_gradients_is_not_waited_for(ranks2):
     comm, error, ops = ranks2.run(_a_reader_without_gradients)[0]
     assert error <= TOL
     assert comm == {"all_reduce": 1}  # backward: q and v's one reduction
-    # the reduction starts once q and v are in (after o's, v's and q's input gradients),
-    # before every weight gradient: q's own, then o's and v's, which q's backward computes
-    assert ops == ["mm"] * 3 + ["all_reduce"] + ["mm"] * 3, ops
+    # o's, v's and q's input and weight gradients, then the replica's node reduces the sum
+    assert ops == ["mm"] * 6 + ["all_reduce"], ops
 
 
 
@@ -187,10 +193,8 @@ def _graph():
 
 def test_each_linear_is_one_autograd_node_over_its_parameters(ranks2):
     q, o, terms_q = ranks2.run(_graph)[0]
-    # q reads the shared replica as it is: no move of its own, no parameter views; over its
-    # own weight and bias and k's, v's and o's, whose gradients its backward computes while
-    # the replica's reduction runs
-    assert q == ("_LinearBackward", ["_ShareBackward"] + ["AccumulateGrad"] * 8)
+    # q reads the shared replica as it is: no move of its own, no parameter views
+    assert q == ("_LinearBackward", ["_ReplicaBackward", "AccumulateGrad", "AccumulateGrad"])
     # o: its output's all-reduce, over one node for the linear and its bias (added once)
     assert o == ("_MoveBackward", ["_LinearBackward"])
-    assert terms_q == ("_LinearBackward", ["_TermsBackward", "AccumulateGrad", "AccumulateGrad"])
+    assert terms_q == ("_LinearBackward", ["_TermsBackward", "AccumulateGrad", "AccumulateGrad"]), terms_q

@@ -33,7 +33,8 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "will_run", "per_rank",
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "hooked",
+    "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
     "rank_sizes", "simulated_shapes", "parameter"]
 
 
@@ -72,13 +73,69 @@ def pre_hooked(module: nn.Module) -> bool:
     before its forward: any but those that only observe, tpfn's recording hooks (marked
     ``observes_only``) and torch's module trackers (``CommDebugMode``'s, ``FlopCounterMode``'s)."""
     hooks = (*module._forward_pre_hooks.values(), *nn.modules.module._global_forward_pre_hooks.values())
-    return any(not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
-               for hook in hooks)
+    return any(_user(hook) for hook in hooks)
+
+
+def _user(hook) -> bool:
+    return not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether a user's module hook sees ``module``'s inputs or their gradients (a forward
+    pre-hook, forward hook, backward hook or backward pre-hook, its own or a global one), which
+    could keep them or read a partial sum; those that only observe (``pre_hooked``'s) aside."""
+    m = nn.modules.module
+    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+             *module._backward_hooks.values(), *module._backward_pre_hooks.values(),
+             *m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values(),
+             *m._global_backward_hooks.values(), *m._global_backward_pre_hooks.values())
+    return any(_user(hook) for hook in hooks)
+
+
+def tensor_observed(t: torch.Tensor) -> bool:
+    """Whether a tensor hook or ``retain_grad`` observes ``t``'s gradient, the hooks torch's
+    module trackers put on a module's inputs (to see when its backward begins) aside."""
+    return t.retains_grad or any(not _tracks(hook) for hook in (t._backward_hooks or {}).values())
+
+
+def _tracks(hook, depth: int = 3) -> bool:
+    """Whether a tensor hook is a module tracker's: ``register_multi_grad_hook``'s wrapper of a
+    function of a tracker (its method, or a closure over it)."""
+    if isinstance(getattr(hook, "__self__", None), _TRACKERS):
+        return True
+    fn = getattr(hook, "__wrapped__", hook)
+    for cell in (getattr(fn, "__closure__", None) or ()) if depth else ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        if isinstance(held, _TRACKERS) or callable(held) and _tracks(held, depth - 1):
+            return True
+    return False
+
+
+def sequence_nr(node) -> int:
+    """Autograd node ``node``'s sequence number (the order nodes were made in, on one thread)."""
+    return node._sequence_nr()
+
+
+def current_node():
+    """The autograd node the running backward is executing on this thread (None: none)."""
+    return torch._C._current_autograd_node()
+
+
+def graph_task_id() -> int:
+    """The id of the running backward (graph task) on this thread, -1 outside one."""
+    return torch._C._current_graph_task_id()
 
 
 def will_run(node) -> bool:
-    """Whether the running backward is still to run autograd ``node`` (or runs it now)."""
-    return torch._C._will_engine_execute_node(node)
+    """Whether the running backward is still to run autograd ``node`` (or runs it now); True
+    where torch cannot tell (a leaf's node under ``torch.autograd.grad``, which may take it)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
 
 
 def next_sequence_nr() -> int:
@@ -250,3 +307,81 @@ from torch.nn.modules._functions import BackwardHookFunction as _BackwardHookFun
 
 HookIdentity = _BackwardHookFunction._backward_cls
 """The autograd node of the identity that module backward hooks wrap inputs and outputs in."""
+
+
+# --- autograd nodes of Functions ----------------------------------------------------------
+
+
+def node_type(function: type) -> type:
+    """The class of the autograd nodes that ``torch.autograd.Function`` subclass ``function``
+    makes (what ``y.grad_fn`` is an instance of)."""
+    return function._backward_cls
+
+
+# --- ops and functional collectives --------------------------------------------------------
+
+
+def argument_names(op) -> tuple:
+    """The names of an ATen/c10d op overload's arguments, in schema order (to read its call's
+    ``args`` by name)."""
+    return tuple(a.name for a in op._schema.arguments)
+
+
+import torch.distributed._functional_collectives as _funcol  # noqa: E402 (registers _c10d_functional)
+
+
+def all_reduced(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    """The ranks' ``t`` reduced with ``op`` (``"sum"``, ``"max"``, ...) on ``group`` (a group, its
+    name, or ``(mesh, dim)``), as a new tensor, waited on; not differentiable."""
+    return _funcol.wait_tensor(_funcol.all_reduce(t, op, group))
+
+
+# --- a module's own tables -----------------------------------------------------------------
+
+
+def parameters_of(module: nn.Module) -> dict:
+    """``module``'s own parameter table, live (``{name: Parameter or None}``, its submodules'
+    aside; an entry set here skips ``Module.__setattr__``'s checks)."""
+    return module._parameters
+
+
+def buffers_of(module: nn.Module) -> dict:
+    """``module``'s own buffer table, live (``{name: tensor or None}``, its submodules' aside)."""
+    return module._buffers
+
+
+def persistent(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` goes into its ``state_dict``."""
+    return name not in module._non_persistent_buffers_set
+
+
+# --- process groups made by hand -----------------------------------------------------------
+
+
+def fake_backend(rank: int, size: int):
+    """A fake backend (``FakeProcessGroup``) for rank ``rank`` of ``size``: its collectives
+    return at once and move nothing."""
+    return FakeProcessGroup._create_internal(rank, size)
+
+
+def cpu_group(store, rank: int, size: int, backend) -> ProcessGroup:
+    """A process group over ``store`` whose CPU backend is ``backend`` (a ``ProcessGroupGloo``
+    or a ``fake_backend``), unregistered and never the default group."""
+    group = ProcessGroup(store, rank, size)
+    kind = (ProcessGroup.BackendType.CUSTOM if isinstance(backend, FakeProcessGroup)
+            else ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), kind, backend)
+    return group
+
+
+def fake_ranks(mesh) -> bool:
+    """Whether ``mesh``'s ranks are fake ones (a ``fake_backend``), which cannot answer."""
+    try:
+        return isinstance(mesh.get_group()._get_backend(torch.device(mesh.device_type)), FakeProcessGroup)
+    except RuntimeError:  # no backend for that device
+        return False
+
+
+__all__ += [
+    "node_type", "argument_names", "all_reduced", "parameters_of",
+    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks"]

@@ -30,7 +30,8 @@ from typing import Union
 import attrs
 import sympy
 from torch.distributed import tensor as _dt
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from tpfn._torch import StridedShard
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "REDUCE_OPS", "as_layout", "is_placement",
            "exact_in_torch", "normalize", "to_torch", "from_torch"]
@@ -230,7 +231,7 @@ def _placement_to_torch(p, ndim):
     if isinstance(p, Shard):
         dim = p.dim if ndim is None else _dim(p, ndim)
         if isinstance(p.parts, int) and p.parts > 1:
-            return _StridedShard(dim, split_factor=p.parts)
+            return StridedShard(dim, split_factor=p.parts)
         return _dt.Shard(dim)  # unequal parts, heads: the image of each rank's local tensor
     if isinstance(p, Replicate):
         return _dt.Replicate()
@@ -260,7 +261,7 @@ def to_torch(layout: Placement | tuple, ndim: int | None = None) -> tuple:
 def _placement_from_torch(p):
     if type(p) is _dt.Shard:
         return Shard(p.dim)
-    if type(p) is _StridedShard:
+    if type(p) is StridedShard:
         return Shard(p.dim, parts=p.split_factor)
     if type(p) is _dt.Replicate:
         return Replicate()

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from collections import Counter
 
-import attrs
 import torch
 import torch.nn as nn
 
-from tpfn._torch import ProcessGroup, TorchDispatchMode, next_sequence_nr, resolve_process_group
+from tpfn._torch import (ProcessGroup, TorchDispatchMode, argument_names, current_node, graph_task_id, next_sequence_nr,
+                         resolve_process_group, sequence_nr)
 from tpfn.dryrun.report import KINDS, Comm
-from tpfn.interpret.moves import overlapping
 
 __all__ = ["record", "kind", "counts"]
 
@@ -75,7 +73,7 @@ _PROBE = torch.zeros((), requires_grad=True)
 def _sequence_nr():
     """The autograd sequence number the next node will get (None where no node is made)."""
     node = _PROBE.view(()).grad_fn
-    return None if node is None else node._sequence_nr()
+    return None if node is None else sequence_nr(node)
 
 
 def _group_size(named: dict) -> int:
@@ -107,7 +105,6 @@ class _Recorder(TorchDispatchMode):
         self.nodes = nodes  # where given: the autograd position of each collective
         self.open: list = []  # (fqn, first sequence number) of the modules running forward
         self.spans: list = []  # (first, end, fqn) of finished forwards
-        self.gather = None  # (the latest forward all-gather's input, weakly; its comm's index)
 
     def enter(self, fqn):
         self.open.append((fqn, _sequence_nr()))
@@ -124,54 +121,36 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op_kind = kind(func)
-        if op_kind is None and func in _PRODUCTS and torch._C._current_graph_task_id() == -1:
-            self._rows(args)
         if op_kind is not None:
             seq, early = None, 0
-            if torch._C._current_graph_task_id() == -1:
+            if graph_task_id() == -1:
                 fqn, phase = (self.open[-1][0] if self.open else None), "forward"
             else:  # the node running it, or the move whose collective a linear starts early
-                node = torch._C._current_autograd_node()
-                if node is not None:
-                    found = overlapping(node)
-                    seq, early = (node._sequence_nr(), 0) if found is None else found
+                node = current_node()
+                if node is not None:  # (a linear kernel's node: 1 where its weight gradients overlap)
+                    seq, early = sequence_nr(node), getattr(node, "overlaps", 0)
                 fqn, phase = self._creator(seq), "backward"
             if op_kind not in KINDS:
                 where = "code outside every module" if fqn is None else repr(fqn or "<root>")
                 raise ValueError(
                     f"{where} issued {func} ({op_kind}) in the {phase}: tpfn measures the collectives "
                     f"tensor parallelism uses, {', '.join(KINDS)}; record a region without it.")
-            named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+            named = dict(zip(argument_names(func), args)) | kwargs
             sent = next(named[k] for k in _INPUTS if k in named)
             n = _group_size(named)
             whole = _numel(sent) * (n if op_kind in ("all_gather", "all_to_all") else 1)
-            if phase == "forward" and op_kind == "all_gather" and isinstance(sent, torch.Tensor):
-                self.gather = (weakref.ref(_base(sent)), len(self.comms))
             self.comms.append(Comm(fqn, phase, op_kind, whole, n, _itemsize(sent), early))
             if self.nodes is not None:
                 self.nodes.append(next_sequence_nr() if phase == "forward" else seq)
         return func(*args, **kwargs)
 
-    def _rows(self, args) -> None:
-        """A forward matrix product of the latest forward all-gather's own input (this rank's
-        slice: the rows ``tpfn.interpret.moves.Rows`` computes right after the gather starts)
-        counts as one linear overlapping that gather."""
-        source = None if self.gather is None else self.gather[0]()
-        if source is not None and any(isinstance(a, torch.Tensor) and _base(a) is source for a in args):
-            i = self.gather[1]
-            self.comms[i] = attrs.evolve(self.comms[i], overlaps=self.comms[i].overlaps + 1)
-
-
-_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-
-
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose memory ``t`` views (``t`` itself where it is no view)."""
-    return t if t._base is None else t._base
-
 
 def _enter(recorder: _Recorder, fqn: str, *_) -> None:
     recorder.enter(fqn)
+
+
+def _leave(recorder: _Recorder, *_) -> None:
+    recorder.leave()
 
 
 @contextlib.contextmanager
@@ -199,9 +178,11 @@ def record(module: nn.Module, *, nodes: list | None = None):
     handles = []
     for fqn, sub in module.named_modules():
         enter = functools.partial(_enter, recorder, fqn)
-        enter.observes_only = True  # it changes no module: a linear's rows may still be computed ahead
+        enter.observes_only = True  # it changes no module (see tpfn._torch.hooked)
+        leave = functools.partial(_leave, recorder)
+        leave.observes_only = True
         handles += [sub.register_forward_pre_hook(enter, prepend=True),
-                    sub.register_forward_hook(lambda *_: recorder.leave(), always_call=True)]
+                    sub.register_forward_hook(leave, always_call=True)]
     try:
         with recorder:
             yield recorder.comms

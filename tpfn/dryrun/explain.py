@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import join
+from tpfn._torch import buffers_of, parameters_of
 from tpfn.algebra import local_shape, transition
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun import units
@@ -52,7 +53,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept)."""
     memo: dict = {}
     for fqn, sub in module.named_modules():
-        for name, value in itertools.chain(sub._parameters.items(), sub._buffers.items(),
+        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
                                            vars(sub).items()):
             if not isinstance(value, torch.Tensor) or id(value) in memo:
                 continue
@@ -128,7 +129,7 @@ def _rows(module: nn.Module, shown, n: int) -> list:
     rows, placed = [], layouts(module)
     for fqn, sub in module.named_modules():
         params = []
-        for name, p in sub._parameters.items():
+        for name, p in parameters_of(sub).items():
             if p is None:
                 continue
             full = join(fqn, name)
@@ -190,6 +191,7 @@ def _watch(module: nn.Module, seen: dict, block) -> None:
     for fqn, sub in module.named_modules():
         if runtime(sub) is not None:
             runtime(sub).watch = watcher(seen.setdefault(fqn, {}))
+    block_input.observes_only = True  # (see tpfn._torch.hooked)
     if block is not None:
         module.get_submodule(block).register_forward_pre_hook(block_input, prepend=True, with_kwargs=True)
 
@@ -258,17 +260,17 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
     return comms, seen, slots, _kept(model, saved)
 
 
-def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, overlap: bool) -> Report:
+def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
     model, mesh = _meta_copy(module), new_fake_mesh(n)
     try:
-        return _report(model, mesh, plan, n, shown, args, kwargs, values, overlap)
+        return _report(model, mesh, plan, n, shown, args, kwargs, values, options)
     finally:
         release(mesh)
 
 
-def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, overlap: bool) -> Report:
-    parallelize(model, mesh, plan, src_rank=None, overlap=overlap)
+def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
+    parallelize(model, mesh, plan, src_rank=None, **options)
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
     symbol = shown if isinstance(shown, sympy.Basic) else None
@@ -282,7 +284,7 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, overla
     flows = () if slots is None else slots.flows(
         tuple(comms), mesh, {r.fqn: {t.slot: t for t in r.transitions} for r in rows})
     states = [runtime(m).state for m in model.modules() if runtime(m) is not None]
-    partial = tuple(states[0].partial_grads.names.values()) if states else ()
+    partial = states[0].partial_grads.fqns if states else ()
     described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
     examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)
@@ -322,7 +324,7 @@ def _at(symbols: list, runs: list) -> str:
 
 
 def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict,
-              overlap: bool) -> Report:
+              options: dict) -> Report:
     """Three dry runs at stand-in sizes; collective sizes fitted as formulas in the symbols."""
     mesh_symbol = world_size if isinstance(world_size, sympy.Basic) else None
     t0 = sizes.get(mesh_symbol, 2)
@@ -332,7 +334,7 @@ def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict
     base = {x: sizes.get(x, t0 if x == mesh_symbol else default) for x in symbols}
     runs = [{x: v * factor[x] ** j for x, v in base.items()} for j in range(3)]
     reports = [_dry_run(module, plan, int(sympy.sympify(world_size).subs(v)), world_size,
-                        args, kwargs, v, overlap) for v in runs]
+                        args, kwargs, v, options) for v in runs]
     shapes = [[(c.fqn, c.phase, c.kind, c.itemsize) for c in r.comms] for r in reports]
     if not shapes[0] == shapes[1] == shapes[2]:
         raise ValueError(f"the collectives differ between the stand-in sizes {_at(symbols, runs)}: "
@@ -361,7 +363,7 @@ def _shape(shapes: list, runs: list, symbols: list):
 
 def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
             example_inputs: object = None, dtype: torch.dtype = torch.long,
-            sizes: dict | None = None, overlap: bool = True) -> Report:
+            sizes: dict | None = None, overlap: bool = True, kernels: bool = True) -> Report:
     """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
 
     - ``module``: any module (on any device, or meta); it is copied to meta, never changed.
@@ -374,8 +376,9 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
       them nothing runs and the report holds placements and declared layouts only.
     - ``dtype``: the dtype of inputs given as shapes (token ids by default).
     - ``sizes``: stand-in values for symbols (see the module docstring).
-    - ``overlap``: as ``parallelize`` takes it; the report counts the backward collectives
-      that overlap weight gradients (``Comm.overlaps``).
+    - ``overlap``, ``kernels``: as ``parallelize`` takes them (the dry run takes the route a real
+      run takes); the report counts the backward collectives that overlap weight gradients
+      (``Comm.overlaps``).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -394,6 +397,7 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise TypeError(f"'world_size' must be a positive int or a sympy Symbol (got {world_size!r} "
                         f"that is a {type(world_size)!r}).")
+    options = {"overlap": overlap, "kernels": kernels}
     args, kwargs = (None, None) if example_inputs is None else split_inputs(
         example_inputs, lambda x: _input(x, dtype))
     shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, ExampleInput)]
@@ -407,5 +411,5 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TypeError(f"sizes[{x!r}] must be a positive int (got {v!r}).")
     if not symbols:
-        return _dry_run(module, plan, world_size, world_size, args, kwargs, {}, overlap)
-    return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes, overlap)
+        return _dry_run(module, plan, world_size, world_size, args, kwargs, {}, options)
+    return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes, options)

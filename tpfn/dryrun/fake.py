@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import uuid
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tpfn._torch import (
-    FakeProcessGroup, ProcessGroup, private_mesh, resolve_process_group, unregister_process_group,
+    cpu_group, fake_backend, private_mesh, resolve_process_group, unregister_process_group,
 )
 
 __all__ = ["fake_mesh", "new_fake_mesh", "release"]
@@ -47,9 +46,7 @@ def new_fake_mesh(world_size: int) -> DeviceMesh:
     """A new 1-D mesh of ``world_size`` fake ranks seen from rank 0; its group stays
     registered until ``release``."""
     name = f"tpfn-fake-{world_size}-{uuid.uuid4().hex[:8]}"
-    group = ProcessGroup(dist.HashStore(), 0, world_size)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM,
-                            FakeProcessGroup._create_internal(0, world_size))
+    group = cpu_group(dist.HashStore(), 0, world_size, fake_backend(0, world_size))
     return private_mesh(name, group, world_size, 0)
 
 

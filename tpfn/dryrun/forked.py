@@ -24,16 +24,15 @@ from multiprocessing.connection import Pipe, wait
 import torch
 import torch.distributed as dist
 
-from tpfn._torch import ProcessGroup, private_mesh
+from tpfn._torch import cpu_group, private_mesh
 
 __all__ = ["on_ranks"]
 
 
 def _mesh(store, rank: int, n: int, timeout: float):
     """A 1-D mesh over a private gloo group of the ``n`` children (never the default group)."""
-    group = ProcessGroup(store, rank, n)
     gloo = dist.ProcessGroupGloo(store, rank, n, datetime.timedelta(seconds=timeout))
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    group = cpu_group(store, rank, n, gloo)
     return private_mesh(f"tpfn-ranks-{n}-{uuid.uuid4().hex[:8]}", group, n, rank)
 
 

@@ -65,10 +65,9 @@ class Comm:
     ``"forward"`` or ``"backward"``; ``numel``: elements of the whole tensor it assembles or
     reduces (an all-gather's output, an all-reduce's or reduce-scatter's input, all ranks'
     inputs of an all-to-all); ``group_size``: ranks taking part; ``overlaps``: with
-    ``parallelize(..., overlap=True)``, for a backward collective that a column-wise linear
-    starts early and waits for after, how many linears' weight gradients run meanwhile (its
-    own, and its parent's other linears'); for a forward all-gather, how many linears compute
-    the rows of this rank's slice meanwhile; else 0.
+    ``parallelize(..., overlap=True)``, for a backward collective that a linear kernel starts
+    before its weight gradients and waits for after, 1 (the linear's weight gradients run
+    meanwhile); else 0.
 
     >>> Comm("w1", "backward", "all_gather", numel=1024, group_size=8, itemsize=4).bytes
     3584
@@ -332,8 +331,7 @@ class Report:
         backward = [c for c in self.comms if c.phase == "backward"]
         if backward:
             out.insert(2, ("overlapping weight gradients",
-                           f"{sum(c.overlaps > 0 for c in backward)} of {len(backward)} backward collectives "
-                           f"({sum(c.overlaps for c in backward)} linears)"))
+                           f"{sum(c.overlaps > 0 for c in backward)} of {len(backward)} backward collectives"))
         gathers = [c for c in self.comms if c.phase == "forward" and c.kind == "all_gather"]
         if any(c.overlaps for c in gathers):
             out.insert(2, ("overlapping this rank's rows",

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import local_tensor, next_sequence_nr
+from tpfn._torch import local_tensor, next_sequence_nr, sequence_nr
 from tpfn.algebra import Chunk
 from tpfn.dryrun.report import Flow
 from tpfn.interpret.parallelize import runtime
@@ -44,17 +44,21 @@ class _Window:
     end: int | None = None
     last: int | None = None
     values: list | None = None
+    made: tuple = ()
 
-    def close(self, nodes: list, values: list) -> None:
-        self.end, self.last, self.values = next_sequence_nr(), len(nodes), values
+    def close(self, nodes: list, values: list, made: tuple = ()) -> None:
+        """``made``: per slot, the autograd node that moved it, where its value has none (a
+        kernel's input, moved inside the kernel's node)."""
+        self.end, self.last, self.values, self.made = next_sequence_nr(), len(nodes), values, made
 
     def bounds(self) -> list:
         """The last sequence number of each slot's nodes (the one before, for a slot that made none)."""
         out, last = [], self.start - 1
-        for x in self.values:
-            node = x.grad_fn if isinstance(x, torch.Tensor) else None
-            if node is not None and self.start <= node._sequence_nr() < self.end:
-                last = max(last, node._sequence_nr())
+        for i, x in enumerate(self.values):
+            node = self.made[i] if i < len(self.made) and self.made[i] is not None else (
+                x.grad_fn if isinstance(x, torch.Tensor) else None)
+            if node is not None and self.start <= sequence_nr(node) < self.end:
+                last = max(last, sequence_nr(node))
             out.append(last)
         return out
 
@@ -101,9 +105,9 @@ class Slots:
             self.open[fqn].append([window(), None])
         begin.observes_only = True  # (changes no module: see tpfn._torch.pre_hooked)
 
-        def starts(args, kwargs):  # the module's own computation starts: inputs moved
+        def starts(args, kwargs, made=()):  # the module's own computation starts: inputs moved
             call = self.open[fqn][-1]
-            call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs])
+            call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs], made)
 
         def outputs_start(call):
             if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
@@ -123,6 +127,7 @@ class Slots:
             call[1].close(self.nodes, [_output(label, output) for label in outputs])
             self.calls[fqn].append(call)
 
+        end.observes_only = True
         sub.register_forward_pre_hook(begin)
         sub.register_forward_hook(end)
         rt.starts, rt.watch = starts, watched

@@ -141,6 +141,7 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
         def post(module, args, kwargs, out, fqn=fqn):
             seen[fqn][-1][1] = [_layout(x, _slot(module, "outputs", i)) for i, x in enumerate(tensors(out))]
 
+        post.observes_only = True
         sub.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
         sub.register_forward_hook(post, with_kwargs=True)
 

@@ -22,22 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import tensor as _dt
 
-from tpfn._torch import FakeProcessGroup, simulated_shapes
+from tpfn._torch import fake_ranks, simulated_shapes
 from tpfn.algebra import chunk_bounds
 from tpfn.errors import LayoutError
 from tpfn.interpret.moves import collective
 from tpfn.layout import from_torch
 
 __all__ = ["agreed_shape"]
-
-
-def _fake(mesh) -> bool:
-    """Whether ``mesh``'s ranks are a dry run's fake ones, which cannot answer."""
-    try:
-        return isinstance(mesh.get_group()._get_backend(torch.device(mesh.device_type)),
-                          FakeProcessGroup)
-    except RuntimeError:  # no backend for that device
-        return False
 
 
 def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str) -> tuple | None:
@@ -48,7 +39,7 @@ def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str) -> tup
     n, shapes = mesh.size(), simulated_shapes(local.shape)
     if shapes is None:  # real ranks: each tells the others
         shape = tuple(local.shape)
-        if not all(type(s) is int for s in shape) or _fake(mesh):
+        if not all(type(s) is int for s in shape) or fake_ranks(mesh):  # a dry run's ranks cannot answer
             return None
         mine = torch.tensor(shape, dtype=torch.int64, device=mesh.device_type)
         everyone = torch.empty((n * len(shape),), dtype=torch.int64, device=mesh.device_type)

@@ -7,9 +7,7 @@ as gloo's own work. ``step(src, dst, mesh, shape)`` is such a move as a plain fu
 local tensor, the same numbers (each rank's result is what DTensor computes), or None where
 DTensor's general path is needed: uneven or packed shards, reductions other than a sum,
 shard to shard. Results are new tensors: the input (a user's tensor, or a gradient autograd
-may hand to another branch too) is never written, except by an all-reduce whose caller
-passes ``owned=True``: a tensor it made and no one else holds, summed in place (the other
-moves take ``owned`` too, and write new tensors regardless).
+may hand to another branch too) is never written.
 
 >>> import torch
 >>> from torch.distributed.tensor import Partial, Replicate, Shard
@@ -43,13 +41,13 @@ def _done(out: torch.Tensor, work, wait: bool, then=None):
     return finish() if wait else finish
 
 
-def _all_reduce(x: torch.Tensor, group, wait: bool = True, owned: bool = False):
-    """The ranks' ``x`` summed: in ``x`` itself where the caller ``owned`` it (and it is contiguous)."""
-    out = x if owned and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+def _all_reduce(x: torch.Tensor, group, wait: bool = True):
+    """The ranks' ``x`` summed."""
+    out = x.clone(memory_format=torch.contiguous_format)
     return _done(out, group.allreduce(out), wait)
 
 
-def _all_gather(x: torch.Tensor, dim: int, n: int, group, wait: bool = True, owned: bool = False):
+def _all_gather(x: torch.Tensor, dim: int, n: int, group, wait: bool = True):
     """The ranks' ``x`` concatenated along ``dim``."""
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank-major, as the collective fills it
@@ -61,7 +59,7 @@ def _all_gather(x: torch.Tensor, dim: int, n: int, group, wait: bool = True, own
     return _done(out, all_gather_into(out, x, group), wait, then)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group, wait: bool = True, owned: bool = False):
+def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group, wait: bool = True):
     """This rank's chunk along ``dim`` of the sum of the ranks' ``x``."""
     shape = list(x.shape)
     shape[dim] //= n
@@ -72,7 +70,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, n: int, group, wait: bool = True,
     return _done(out, reduce_scatter_into(out, x.reshape(n * shape[0], *shape[1:]), group), wait)
 
 
-def _chunk(x: torch.Tensor, dim: int, n: int, rank: int, wait: bool = True, owned: bool = False):
+def _chunk(x: torch.Tensor, dim: int, n: int, rank: int, wait: bool = True):
     out = x.chunk(n, dim)[rank].clone(memory_format=torch.contiguous_format)
     return out if wait else lambda: out
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import join
+from tpfn._torch import buffers_of, parameters_of
 from tpfn.algebra import shard_ranges
 from tpfn.interpret.parallelize import mounted
 from tpfn.layout import Shard, exact_in_torch
@@ -41,10 +42,10 @@ def layouts(model: nn.Module) -> dict:
         for name, placement in (mount.params if mount is not None else ()):
             owner, _, leaf = join(fqn, name).rpartition(".")
             sub = model.get_submodule(owner)
-            placed[id(sub._parameters.get(leaf, sub._buffers.get(leaf)))] = placement
+            placed[id(parameters_of(sub).get(leaf, buffers_of(sub).get(leaf)))] = placement
     return {join(prefix, name): placed[id(t)]
             for prefix, module in model.named_modules(remove_duplicate=False)
-            for table in (module._parameters, module._buffers)
+            for table in (parameters_of(module), buffers_of(module))
             for name, t in table.items() if t is not None and id(t) in placed}
 
 

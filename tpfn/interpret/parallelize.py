@@ -6,10 +6,10 @@ the module, in two ways and nowhere else:
 
 - every parameter the plan places becomes a DTensor parameter (tied ones stay one);
 - every bound module's ``forward`` becomes a ``Runtime``: its inputs through their slots,
-  the module's own forward, its outputs through their slots. A module that computes on local
-  shards (a ``Kernel``) is handed its parameters' local shards for the duration of its own
-  forward only; a ``finally`` puts the DTensor parameters back, so no exception,
-  ``KeyboardInterrupt`` or hook can see or keep the swap.
+  its computation (a fast kernel's, ``tpfn.kernels``, or the module's own forward), its
+  outputs through their slots. A module that computes on local shards (a ``Kernel``) is handed
+  its parameters' local shards for the duration of its own forward only; a ``finally`` puts the
+  DTensor parameters back, so no exception, ``KeyboardInterrupt`` or hook can see or keep the swap.
 
 Hooks on a bound module see its inputs as they arrive and its outputs as its style hands
 them on (a row-wise module's are summed), whenever they were registered.
@@ -27,16 +27,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import current_mesh
+from tpfn._torch import buffers_of, current_mesh, parameters_of
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
-from tpfn.interpret.moves import (Rows, Siblings, direct, dropout_slice, linear, local_params, param_slots,
-                                  placements, reads_shared, shared, vocab_mask, writable)
-from tpfn.interpret.prepare import (convert, global_shape, placed_tensor, prepare_inputs, prepare_outputs,
-                                    shard_params, unpackable)
+from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, placed_tensor, shard_params,
+                                    unpackable)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
-from tpfn.layout import Partial, from_torch
+from tpfn.kernels import KERNELS, Group
+from tpfn.layout import Partial, Replicate, from_torch
 from tpfn.plans.mount import Mount
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
@@ -47,81 +47,84 @@ log = logging.getLogger("tpfn")
 
 
 class Runtime:
-    """A bound module's ``forward``: its mount run on ``mesh``, around the module's own
-    forward. ``state`` is what the parallelized model remembers; ``cache`` keeps the specs
-    of this module's moves; ``watch(label, value)``, when set, sees every slot's value as it
-    arrives, and ``starts(args, kwargs)`` the inputs as the module's own computation starts
-    (``tpfn.explain`` reads layouts, and where each slot's moves end, with them)."""
+    """A bound module's ``forward``: its mount run on ``mesh``, in three steps: its inputs
+    through their slots; its computation, by the fast kernel its row names where it takes the
+    call (``tpfn.kernels``), else by the reference route (the module's own forward on local views
+    of its parameters' shards, or on DTensors); its outputs through their slots. ``state`` is what
+    the parallelized model remembers; ``cache`` keeps the steps of this module's moves; ``group``
+    is the ``tpfn.kernels.Group`` of the parent whose local replica this module may read as it is,
+    ``ctx.group`` the one of the replicas this module makes (``parallelize`` sets both);
+    ``watch(label, value)``, when set, sees every slot's value as it arrives, and
+    ``starts(args, kwargs, made)`` the inputs as the module's own computation starts, with the
+    node that moved each where a kernel moved it (``tpfn.explain`` reads layouts, and where each
+    slot's moves end, with them). Neither changes the route."""
 
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True, kernels: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.kernels = kernels
-        self.overlap, self.cache, self.watch, self.starts = overlap, {}, None, None
-        self.siblings = None  # the linears of its parent (parallelize sets them)
+        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, {}, None, None, None
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
         self.slots = param_slots(module, mount.owned) if kernel is not None else ()
-        self.linear = kernels and kernel is not None and type(module) is nn.Linear and not kernel.vocab \
-            and kernel.random is None and getattr(self.forward, "__func__", None) is nn.Linear.forward
+        self.fast = KERNELS[kernel.fast] if kernels and kernel is not None and kernel.fast else None
         self.grads = tuple(
             kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
             and kernel.inputs[i][0] is not None else (None if s.untouched else cotangent(s.out)[0])
             for i, s in enumerate(mount.inputs.slots))
         out = mount.outputs.slots[0] if kernel is not None and kernel.output is not None else None
         self.out_grad = None if out is None else cotangent(out.out)[0]
-        first = mount.inputs.slots[0] if self.linear and mount.inputs.slots \
-            and mount.inputs.arity in (None, 1) else None
-        # a column-wise linear may read a shared replica as it is (its gradient to the inbox)
-        self.reader = kernels and first is not None and not first.untouched and first.grad is None and reads_shared(
-            first.source, first.out, self.grads[0], mesh)
-        # the forward's overlap: while an input's all-gather runs, the linear's own rows of it
-        # (a parent's shared replica: its readers' rows, which parallelize sets)
-        self.during = functools.partial(Rows.ahead, (module,)) if overlap and self.linear else None
+        self.ctx = Context(mount.where, mount.names or (), self.grads, state.shapes, self.cache)
+        # its parameters' gradients are partial sums: a backward through its output sums them at its end
+        self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
 
     def __call__(self, *args, **kwargs):
-        mount, kernel, mesh, shapes = self.mount, self.mount.kernel, self.mesh, self.state.shapes
         if self.watch is not None:
-            for i, name in enumerate(mount.names or range(len(args))):
+            for i, name in enumerate(self.mount.names or range(len(args))):
                 self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
-            for name, _ in mount.inputs.kwargs:
+            for name, _ in self.mount.inputs.kwargs:
                 self.watch(f"input {name!r}", kwargs.get(name))
-        if self.reader and len(args) == 1 and not kwargs and self.watch is None and self.starts is None \
-                and direct(args[0]) and args[0].requires_grad and torch.is_grad_enabled():
-            inbox = shared(args[0], mesh)
-            if inbox is not None:  # a shared replica's reader: no move, its gradient to the inbox
-                inbox.readers += 1
-                out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, inbox, self.siblings)
-                return self._outputs(out, tuple(args[0].shape), owned=writable(out))
-        first, shape = self._first(args, kwargs), None
-        if kernel is not None and isinstance(first, torch.Tensor) and mount.inputs.slots \
-                and not mount.inputs.slots[0].untouched:
-            shape = global_shape(first, mount.inputs.slots[0], mesh, shapes,
-                                 f"input 0 of {mount.where}", exact=kernel.random == "slice")
-        during = self.during if self.during is not None and (
-            kernel is None or len(args) == 1 and not kwargs and direct(args[0])) else None
-        args, kwargs = prepare_inputs(args, kwargs, mount.inputs, mesh, names=mount.names,
-                                      where=mount.where, grads=self.grads, shapes=shapes,
-                                      cache=self.cache, first_shape=shape, share=kernel is None and self.kernels,
-                                      during=during)
+        group = None if torch.compiler.is_compiling() else self.ctx.group
+        if group is None:
+            output, shape = self._compute(args, kwargs)
+        else:  # its replicas' readers: whether they may leave their gradients partial, as it ends
+            group.open()
+            output = None
+            try:
+                output, shape = self._compute(args, kwargs)
+            finally:
+                group.close(output)
+        if self.arms and torch.is_grad_enabled():
+            self.state.partial_grads.arm(output)
+        return self._outputs(output, shape)
+
+    def _compute(self, args, kwargs) -> tuple:
+        """``(the module's output, input 0's global shape or None)``: inputs moved, then computed."""
+        mount, kernel, mesh = self.mount, self.mount.kernel, self.mesh
         if kernel is None:
+            args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx)
             if self.starts is not None:
                 self.starts(args, kwargs)
-            return self._outputs(self.forward(*args, **kwargs), None)
+            return self.forward(*args, **kwargs), None
+        first, shape = self._first(args, kwargs), None
+        if isinstance(first, torch.Tensor) and mount.inputs.slots and not mount.inputs.slots[0].untouched:
+            shape = global_shape(first, mount.inputs.slots[0], mesh, self.state.shapes,
+                                 f"input 0 of {mount.where}", exact=kernel.random == "slice")
+        if self.fast is not None and shape is not None and len(args) == 1 and not kwargs:
+            found = self.fast(self, first, shape)
+            if found is not None:
+                if self.starts is not None:  # (its input moved inside the kernel's node)
+                    self.starts((found[1],), {}, (found[0].grad_fn,))
+                return found[0], shape
+        args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx, first_shape=shape)
         first, mask = self._first(args, kwargs), None
         if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
             ids, mask = vocab_mask(first, self.module, mesh, f"input 0 of {mount.where}")
             args, kwargs = self._with_first(args, kwargs, ids)
         if kernel.random == "slice":  # nn.Dropout: this rank's slice of one device's noise
             if not (self.module.training and self.module.p > 0):
-                return self._outputs(first, shape)
+                return first, shape
             dim = placements(kernel.output, first.ndim)[0].dim
-            return self._outputs(first * dropout_slice(self.module, first, shape, dim, mesh), shape)
-        if self.linear and len(args) == 1 and not kwargs and direct(args[0]):  # one node, no views
-            if self.starts is not None:
-                self.starts(args, kwargs)
-            out = linear(args[0], self.module, kernel, mesh, self.overlap, self.cache, siblings=self.siblings)
-            return self._outputs(out, shape, owned=writable(out))
+            return first * dropout_slice(self.module, first, shape, dim, mesh), shape
         views = local_params(self.slots, kernel, mesh, self.cache)
         if self.starts is not None:
             self.starts(args, kwargs)
@@ -134,9 +137,9 @@ class Runtime:
         finally:
             for table, name, param in saved:
                 table[name] = param
-        if mask is not None and isinstance(output, torch.Tensor):  # a new tensor: its move may write it
-            return self._outputs(output.masked_fill(mask.unsqueeze(-1), 0), shape, owned=True)
-        return self._outputs(output, shape)
+        if mask is not None and isinstance(output, torch.Tensor):
+            output = output.masked_fill(mask.unsqueeze(-1), 0)
+        return output, shape
 
     def _first(self, args, kwargs):
         names = self.mount.names
@@ -147,9 +150,8 @@ class Runtime:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, self.mount.names[0]: x}
 
-    def _outputs(self, output, in_shape, owned: bool = False):
-        """The module's output through its slots; a kernel's through its declared layout
-        (``owned``: a tensor this forward made, which its move may write)."""
+    def _outputs(self, output, in_shape):
+        """The module's output through its slots; a kernel's through its declared layout."""
         mount, kernel = self.mount, self.mount.kernel
         if self.watch is not None:
             items = list(output.values()) if isinstance(output, dict) else (
@@ -160,8 +162,7 @@ class Runtime:
                 if isinstance(output, dict):
                     self.watch(f"output {key!r}", output.get(key))
         if kernel is None or kernel.output is None:
-            return prepare_outputs(output, mount.outputs, self.mesh, where=mount.where,
-                                   shapes=self.state.shapes, cache=self.cache)
+            return outputs_of(output, mount.outputs, self.mesh, self.ctx)
         slot = mount.outputs.slots[0]
         if not isinstance(output, torch.Tensor):
             raise TypeError(
@@ -170,8 +171,7 @@ class Runtime:
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         shape = kernel.out_shape(self.module, in_shape)
         return convert(output, slot, self.mesh, local=mount.outputs.local, grad=self.out_grad, shape=shape,
-                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache,
-                       owned=owned)
+                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache)
 
 
 def runtime(module: nn.Module) -> Runtime | None:
@@ -236,14 +236,14 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     each bound module's forward runs its style (see the module docstring). ``src_rank`` is the rank
     whose parameter values every rank receives (PyTorch's ``src_data_rank``); ``None`` keeps each rank's
     own values and communicates nothing (for modules initialized identically, or on the meta device).
-    ``overlap``: a column-wise ``nn.Linear`` whose input gradient is reduced (all-reduced, or
-    reduce-scattered under sequence parallelism) starts that collective before its weight gradient and
-    waits for it after, as Megatron-LM does; the weight gradients of the other linears of its parent
-    that ran after it (k, v and o after q; the MLP's second after its first) are computed then too,
-    by its backward; ``False`` waits at once (the same collectives, the same numbers, bit for bit).
-    ``kernels``: ``False`` runs every bound module through the reference path alone (each input
-    moved once to the layout its module computes with, the module's own forward on local views or
-    DTensors, each output moved once), which defines what a plan computes.
+    ``overlap``: a linear kernel whose input gradient its slot reduces (all-reduced, or
+    reduce-scattered under sequence parallelism) starts that collective before its weight
+    gradient and waits for it after, as Megatron-LM does; ``False`` waits at once (the same
+    collectives, the same numbers, bit for bit). ``kernels``: ``False`` runs every bound module
+    through the reference route alone (each input moved once to the layout its module computes
+    with, the module's own forward on local views or DTensors, each output moved once), which
+    defines what a plan computes; ``True`` lets a module kind's fast kernel compute a call where it
+    gives the same numbers and observer behaviour (docs/semantics.md).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -282,30 +282,39 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     new = shard_params(module, mesh, rule, src_rank=src_rank)
     replacement = {id(placed_tensor(module, name)): param for name, param in new.items()}
     for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
+        for table in (parameters_of(sub), buffers_of(sub)):
             for name, param in list(table.items()):
                 if param is not None and id(param) in replacement:
                     table[name] = replacement[id(param)]
-    state, linears = State(), {}
+    state, readers = State(), {}
     for m in bound:
         sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
-            if isinstance(layout, Partial) and sub.get_parameter(name).requires_grad:
-                state.partial_grads.watch(sub.get_parameter(name), join(m.fqn, name))
+            if isinstance(layout, Partial):  # (frozen now or not: it may be unfrozen later)
+                state.partial_grads.watch(sub, name, join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub, overlap, kernels)
-        if sub.forward.linear:
-            linears.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
+        if _reads_replica(sub.forward):
+            readers.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _described(m, sub))
-    for parent, runtimes in linears.items():
-        if len(runtimes) > 1:  # a window's siblings: their weight gradients overlap its reduction
-            siblings = Siblings(tuple(r.module for r in runtimes))
-            for r in runtimes:
-                r.siblings = siblings
-        owner, readers = runtime(modules[parent]), tuple(r.module for r in runtimes if r.reader)
-        if overlap and kernels and readers and owner is not None and owner.mount.kernel is None:
-            owner.during = functools.partial(Rows.ahead, readers)  # their rows while its input gathers
+    for parent, readers in readers.items():
+        owner = runtime(modules[parent])
+        if kernels and owner is not None and owner.mount.kernel is None:  # its replicas, read as they are
+            owner.ctx.group = Group()
+            for reader in readers:
+                reader.group = owner.ctx.group
     return module
+
+
+def _reads_replica(rt: Runtime) -> bool:
+    """Whether ``rt``'s fast kernel may read its parent's local replica as it is: one input, a
+    replica left so, whose gradient comes back as partial sums."""
+    slots, grads = rt.mount.inputs.slots, rt.grads
+    if rt.fast is None or not slots or rt.mount.inputs.arity not in (None, 1) or rt.mesh.size() == 1:
+        return False
+    first = slots[0]
+    return not first.untouched and first.grad is None and isinstance(first.source, Replicate) \
+        and isinstance(first.out, Replicate) and isinstance(grads[0], Partial) and grads[0].op == "sum"
 
 
 def _described(mount, module: nn.Module) -> str:

@@ -17,26 +17,24 @@ next module annotates it again (PyTorch infers an even split there, torchtitan#1
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, meta_dtensor, per_rank
+from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, meta_dtensor, parameters_of, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import collective, failed, move, placements, replicate_shared, unhooked
+from tpfn.interpret.moves import collective, failed, move, placements, unhooked
 from tpfn.interpret.state import Guess, Shapes
 from tpfn.interpret.terms import terms
 from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
 from tpfn.style.style import Style
 
-__all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "convert",
-           "checked", "not_a_tensor", "unpackable"]
+__all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "Context",
+           "inputs", "outputs_of", "convert", "checked", "not_a_tensor", "unpackable"]
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: int | None = 0) -> dict:
@@ -85,7 +83,8 @@ def _placed(module: nn.Module, name: str) -> tuple:
     (not an ``isinstance`` test: one deep-copied under ``LocalTensorMode`` is no ``nn.Parameter``)."""
     owner, _, leaf = name.rpartition(".")
     sub = module.get_submodule(owner)
-    return (sub._parameters[leaf], True) if leaf in sub._parameters else (sub.get_buffer(leaf), False)
+    params = parameters_of(sub)
+    return (params[leaf], True) if leaf in params else (sub.get_buffer(leaf), False)
 
 
 def local_value(full: torch.Tensor, layout, mesh, rank: int | None = None) -> torch.Tensor:
@@ -224,21 +223,18 @@ def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = Fals
 
 
 def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cache: dict,
-            shape=None, share: bool = False, owned: bool = False, during=None):
+            shape=None, group=None):
     """One input or output through its slot: a local tensor (``local``) or a DTensor in the
     slot's layout. A local tensor handed on gets its gradient back in ``grad`` (None: it
-    needs none); ``shape`` is the global shape where the caller knows it better; ``share``:
-    a local replica handed on is shared by several modules, which reduce their partial
-    gradients once (``tpfn.interpret.moves.replicate_shared``); ``owned``: ``x`` is the
-    caller's own (a linear's fresh output), which a local move's sum may write; ``during``: work
-    for the time a local move's all-gather runs (``tpfn.interpret.moves.Rows.ahead``)."""
+    needs none); ``shape`` is the global shape where the caller knows it better; ``group``: a
+    ``tpfn.kernels.Group`` whose column-wise readers read a local replica handed on as it is."""
     if x is None or slot.untouched:
         return x
     src = slot.source
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
-        if local and share and placements(slot.out, x.ndim)[0].is_replicate():
-            return replicate_shared(dt.to_local(), from_torch(dt.placements), mesh, dt.shape, what, cache, during)
+        if local and group is not None and placements(slot.out, x.ndim)[0].is_replicate():
+            return group.replicate(dt.to_local(), from_torch(dt.placements)[0], mesh, tuple(dt.shape), what, cache)
     elif not isinstance(x, torch.Tensor):
         raise not_a_tensor(x, slot, what)
     else:
@@ -252,10 +248,10 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
                 shape = shapes.recall(x, given, mesh, what, exact)
         elif not isinstance(shape, tuple):
             shape = tuple(shape)
-        if local and share and out[0].is_replicate():
-            return replicate_shared(x, src, mesh, shape, what, cache, during)
-        if local:  # the fast path: local tensors all the way
-            moved = move(x, src, slot.out, grad, mesh, shape, what, cache, owned, during)
+        if local and group is not None and out[0].is_replicate():
+            return group.replicate(x, src, mesh, shape, what, cache)
+        if local:  # local tensors all the way
+            moved = move(x, src, slot.out, grad, mesh, shape, what, cache)
             shapes.remember(moved, out, shape, mesh)
             return moved
         dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape,
@@ -290,16 +286,26 @@ def _source(x):
     return unhooked(node, x.output_nr) if isinstance(node, HookIdentity) else (x, None)
 
 
-def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *, names: tuple = (),
-                   where: str = "prepare_inputs", grads: tuple = (), shapes: Shapes | None = None,
-                   cache: dict | None = None, first_shape: tuple | None = None, share: bool = False,
-                   during: Callable | None = None) -> tuple:
-    """``(args, kwargs)`` with every input that ``spec`` names converted (new containers).
+class Context:
+    """A mounted module's plumbing for its slots (the interpreter's; the public functions make a
+    fresh one): ``names``, its forward's positional input names (for inputs passed by keyword);
+    ``where``, its FQN in errors; ``grads``, the layout of each local input's gradient (by default
+    its layout's cotangent); ``shapes``, the model's shape memory; ``cache``, its moves' steps;
+    ``group``, the ``tpfn.kernels.Group`` whose readers read its local replicas (None: none)."""
 
-    ``spec``: a ``prepare_in(...)`` style, or the ``Inputs`` of a mounted module (``names``:
-    its forward's positional input names, for inputs passed by keyword; ``grads``: the layout
-    of each local input's gradient, by default its layout's cotangent; ``first_shape``: input
-    0's global shape where the caller knows it; ``share`` and ``during``: see ``convert``).
+    __slots__ = ("names", "where", "grads", "shapes", "cache", "group")
+
+    def __init__(self, where: str, names: tuple = (), grads: tuple = (), shapes: Shapes | None = None,
+                 cache: dict | None = None, group=None):
+        self.names, self.where, self.grads, self.group = names, where, grads, group
+        self.shapes, self.cache = shapes or Shapes(), {} if cache is None else cache
+
+
+def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, *, names: tuple = (),
+                   where: str = "prepare_inputs") -> tuple:
+    """``(args, kwargs)`` with every input that ``spec`` (a ``prepare_in(...)`` style, or the
+    ``Inputs`` of a mounted module) names converted (new containers); ``names``: the forward's
+    positional input names, for inputs passed by keyword; ``where`` names the caller in errors.
 
     >>> import torch, tpfn
     >>> from torch.distributed.device_mesh import init_device_mesh
@@ -308,14 +314,20 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
     >>> x.placements, x.shape
     ((Shard(dim=0),), torch.Size([2, 3]))
     """
-    spec = _spec(spec, Inputs, "prepare_in", "inputs")
+    return inputs(args, kwargs, spec, mesh, Context(where, names))
+
+
+def inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, ctx: Context,
+           first_shape: tuple | None = None) -> tuple:
+    """``prepare_inputs`` for a mounted module (``ctx``); ``first_shape``: input 0's global shape
+    where the caller knows it."""
+    spec, where, names, grads = _spec(spec, Inputs, "prepare_in", "inputs"), ctx.where, ctx.names, ctx.grads
     if spec.arity is not None and len(args) != spec.arity:
         raise LayoutError(f"{where} is called with {len(args)} positional input{'s' * (len(args) != 1)}, "
                           f"but its plan takes exactly {spec.arity} (prepare_in(..., arity={spec.arity}): "
                           "PyTorch's PrepareModuleInput takes one input layout per positional input); give "
                           "one layout per positional input (None leaves that input alone), or pass the "
                           "other inputs by keyword.")
-    shapes, cache = shapes or Shapes(), {} if cache is None else cache
     args, kwargs = list(args), dict(kwargs)
     done: list = []  # an input passed at several positions moves once (one gradient back)
 
@@ -325,7 +337,7 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
             if seen is source and i == index and at == slot and back == grad:
                 return out
         out = convert(x, slot, mesh, local=bool(spec.local), grad=grad, what=what,
-                      shapes=shapes, cache=cache, shape=shape, share=share, during=during)
+                      shapes=ctx.shapes, cache=ctx.cache, shape=shape, group=ctx.group)
         if isinstance(x, torch.Tensor):
             done.append((source, index, slot, grad, out))
         return out
@@ -346,8 +358,7 @@ def prepare_inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: Device
 
 
 def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
-                    where: str = "prepare_outputs", shapes: Shapes | None = None,
-                    cache: dict | None = None) -> object:
+                    where: str = "prepare_outputs") -> object:
     """``outputs`` with every output that ``spec`` (a ``prepare_out(...)`` style, or the
     ``Outputs`` of a mounted module) names converted (a new container).
 
@@ -359,8 +370,12 @@ def prepare_outputs(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, *,
     >>> type(out).__name__, out.shape              # a local tensor, the partial sums summed
     ('Tensor', torch.Size([4, 2]))
     """
-    spec = _spec(spec, Outputs, "prepare_out", "outputs")
-    shapes, cache = shapes or Shapes(), {} if cache is None else cache
+    return outputs_of(outputs, spec, mesh, Context(where))
+
+
+def outputs_of(outputs: object, spec: Style | Outputs, mesh: DeviceMesh, ctx: Context) -> object:
+    """``prepare_outputs`` for a mounted module (``ctx``)."""
+    spec, where, shapes, cache = _spec(spec, Outputs, "prepare_out", "outputs"), ctx.where, ctx.shapes, ctx.cache
     local = True if spec.local is None else spec.local
 
     def one(x, slot, what):

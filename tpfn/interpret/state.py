@@ -23,20 +23,34 @@ specialized on them): there, sharded local tensors are even splits.
 Partial gradients: a replicated parameter used on sharded activations (a sequence-parallel
 norm, a per-head norm) gets a partial gradient. Left so, every optimizer op on it would
 all-reduce it again (Adam: three times per parameter per step). Such parameters are
-``watch``-ed: at the end of each backward all of their gradients on a mesh are summed in
-one all-reduce of one flat buffer, and the optimizer sees replicated gradients.
+``watch``-ed by module and name, looked up afresh each time (what ``Module._apply``,
+``to_empty`` or ``load_state_dict(assign=True)`` puts in their place is watched too, frozen
+or not), and the bound modules' outputs are ``arm``-ed as a forward makes them (compiled
+code arms none: there the hook ``watch`` put on each parameter serves, until a swap drops
+it). A backward that reaches an armed output sums, at its end, every watched partial
+gradient of every model it reached: one all-reduce of one flat buffer per process group,
+placements and dtype, however many ``parallelize`` calls (a block each) made those models,
+and the optimizer sees replicated gradients. What a backward will sum is kept for that
+backward alone, keyed by its graph task and held by the engine: a backward that fails takes
+it along, and the next one sums whatever is partial then. Accumulating a second backward's
+partial gradient onto a summed one first hands the summed one back as a partial sum
+(``_accumulating``), so that it too is one bulk all-reduce; ``autograd.grad`` accumulates
+nothing and sums nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, local_tensor, per_rank, queue_callback,
-                         rank_sizes, spec_of)
+from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, graph_task_id, local_tensor, parameter,
+                         per_rank, queue_callback, rank_sizes, spec_of)
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.moves import collective, unhooked
@@ -156,67 +170,166 @@ def _on_first(local, *coordinate):
     return local if all(c == 0 for c in coordinate) else torch.zeros_like(local)
 
 
+def _partial(grad) -> bool:
+    return isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
+
+
+def _parameter(module_ref, name: str):
+    """The parameter ``name`` of the module ``module_ref`` refers to now, or None (the module
+    freed, or the parameter gone)."""
+    module = module_ref()
+    try:
+        return None if module is None else parameter(module, name)
+    except (AttributeError, KeyError):
+        return None
+
+
+_HOOKED = "tpfn partial grads"  # in an AccumulateGrad node's metadata: _accumulating is on
+
+
+def _accumulating(param, grads) -> None:
+    """Before a partial gradient is added to a replicated one (an earlier backward's, reduced),
+    hand the replicated one back as a partial sum (kept on the first rank, zeros elsewhere: no
+    communication), so the two add up locally and are reduced once more, in bulk."""
+    old, new = param.grad, grads[0]
+    if not (isinstance(old, DTensor) and _partial(new) and old.device_mesh == new.device_mesh):
+        return
+    dims = [i for i, (o, n) in enumerate(zip(old.placements, new.placements))
+            if o.is_replicate() and n.is_partial("sum")]
+    if dims:
+        coordinate = old.device_mesh.get_coordinate()
+        placements = tuple(new.placements[i] if i in dims else p for i, p in enumerate(old.placements))
+        local = _on_first(old.to_local(), *(coordinate[i] for i in dims))
+        param.grad = DTensor.from_local(local, old.device_mesh, placements, run_check=False,
+                                        shape=old.shape, stride=old.stride())
+
+
 class PartialGrads:
-    """Collects the partial gradients of one backward and reduces them when it ends."""
+    """One model's watched parameters: a backward that reaches one of its armed tensors sums
+    their partial gradients at its end (``_EndOfBackward``)."""
 
     def __init__(self):
-        self.pending: list = []
-        self.reduced: dict = {}  # id(param) -> the placements its gradient was reduced from
-        self.names: dict = {}  # id(param) -> its name in the model
+        self.watched: list = []  # (lookup, fqn): lookup() is the parameter now, or None
 
-    def watch(self, param, name: str) -> None:
-        """Reduce ``param``'s (called ``name``) partial gradients in bulk at the end of each backward."""
-        self.names[id(param)] = name
-        param.register_hook(lambda grad: self._accumulating(param, grad))
-        param.register_post_accumulate_grad_hook(self._accumulated)
+    def watch(self, module, name: str, fqn: str | None = None) -> None:
+        """Watch the parameter ``name`` (dotted) of ``module``, called ``fqn`` in the model,
+        whatever its ``requires_grad``. ``module`` is held weakly and the parameter looked up
+        afresh each time, so what replaces it (``Module._apply``, ``to_empty``,
+        ``load_state_dict(assign=True)``) is watched in its place. The parameter is armed too
+        if it requires grad (compiled code arms no output; a swap loses that hook)."""
+        if isinstance(module, torch.Tensor):  # transitional: watch(param, fqn), until parallelize
+            param, fqn = module, name         # passes the module
+            lookup = lambda: param  # noqa: E731
+        else:
+            lookup = functools.partial(_parameter, weakref.ref(module), name)
+            fqn = name if fqn is None else fqn
+        self.watched.append((lookup, fqn))
+        param = lookup()
+        if param is not None and param.requires_grad:
+            param.register_hook(self._reached)
 
-    def _accumulating(self, param, grad):
-        """Before a second backward adds its partial gradient to a reduced one, hand the
-        reduced one back as a partial sum (kept on the first rank, zeros elsewhere: no
-        communication), so the two add up locally and are reduced once more, in bulk."""
-        old, placements = param.grad, self.reduced.pop(id(param), None)
-        if isinstance(old, DTensor) and placements is not None:
-            coordinate = old.device_mesh.get_coordinate()
-            local = _on_first(old.to_local(), *(coordinate[i] for i, p in enumerate(placements)
-                                                 if p.is_partial()))
-            param.grad = DTensor.from_local(local, old.device_mesh, placements, run_check=False,
-                                            shape=old.shape, stride=old.stride())
-        return grad
+    @property
+    def fqns(self) -> tuple:
+        """The names of the watched parameters that require grad now."""
+        return tuple(fqn for param, fqn in self.params() if param.requires_grad)
 
-    def _accumulated(self, param) -> None:
-        grad = param.grad
-        if any(p is param for p in self.pending):
+    def params(self):
+        """``(parameter, fqn)`` of every watched parameter there is now."""
+        for lookup, fqn in self.watched:
+            param = lookup()
+            if param is not None:
+                yield param, fqn
+
+    def arm(self, output) -> None:
+        """Make every backward that reaches ``output`` (a tensor, or a tuple, list or dict of
+        them: a bound module's output) sum this model's partial gradients once, at its end.
+        Compiled code arms nothing (a graph would break on the hook)."""
+        if torch.compiler.is_compiling():
             return
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            if not self.pending:
-                queue_callback(self.flush)
-            self.pending.append(param)
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad:
+                output.register_hook(self._reached)
+        elif isinstance(output, (tuple, list)):
+            for x in output:
+                self.arm(x)
+        elif isinstance(output, dict):
+            for x in output.values():
+                self.arm(x)
 
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        groups: dict = {}
-        for param in pending:  # one bucket per process group(s), whichever mesh object holds them
-            groups.setdefault((tuple(map(id, param.grad.device_mesh.get_all_groups())),
-                               param.grad.placements, param.grad.dtype), []).append(param)
-        for (_, placements, _), params in groups.items():
-            grads = [p.grad for p in params]
-            mesh = grads[0].device_mesh
-            flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])
-            names = ", ".join(self.names.get(id(p), "?") for p in params)
-            for dim, placement in enumerate(placements):
-                if placement.is_partial() and mesh.size(dim) > 1:
-                    with collective(f"the all-reduce of the partial gradients of {names} at the "
-                                    "end of the backward", mesh):
-                        if type(flat) is torch.Tensor and flat.device.type != "meta":  # in place
-                            mesh.get_group(dim).allreduce(flat).wait()
-                        else:  # a simulated rank's (LocalTensorMode) or a dry run's
-                            flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
-            replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
-            pieces = flat.split([local_tensor(g).numel() for g in grads])
-            for param, grad, piece in zip(params, grads, pieces):
-                spec = DTensorSpec(mesh, replicated, tensor_meta=spec_of(grad).tensor_meta)
-                param.grad = DTensor(piece.view(local_tensor(grad).shape), spec, requires_grad=False)
-                self.reduced[id(param)] = placements
+    def _reached(self, grad) -> None:
+        _EndOfBackward.running().join(self)
+
+    def _hook_accumulation(self) -> None:
+        """Put ``_accumulating`` before the gradient accumulation of each watched parameter
+        that requires grad (once per AccumulateGrad node: a swapped parameter gets a new one)."""
+        for param, _ in self.params():
+            if param.requires_grad:
+                node = get_gradient_edge(param).node
+                if _HOOKED not in node.metadata:
+                    node.metadata[_HOOKED] = True
+                    node.register_prehook(functools.partial(_accumulating, param))
+
+
+_RUNNING = weakref.WeakValueDictionary()
+"""graph task id -> its ``_EndOfBackward``, while the engine holds it (a failed backward's
+goes with the backward)."""
+
+
+class _EndOfBackward:
+    """What one backward sums at its end: the partial gradients of every model it reached,
+    one all-reduce of one flat buffer per process group(s), placements and dtype."""
+
+    def __init__(self):
+        self.models: list = []
+
+    @classmethod
+    def running(cls) -> "_EndOfBackward":
+        """The running backward's, queued to run at its end the first time it is asked for."""
+        task = graph_task_id()
+        end = _RUNNING.get(task)
+        if end is None:
+            end = _RUNNING[task] = cls()
+            queue_callback(end)
+        return end
+
+    def join(self, model: PartialGrads) -> None:
+        if all(m is not model for m in self.models):
+            self.models.append(model)
+            model._hook_accumulation()
+
+    def __call__(self) -> None:
+        buckets, seen = {}, set()
+        for model in self.models:  # in the order the backward reached them: alike on every rank
+            for param, fqn in model.params():
+                grad = param.grad
+                if _partial(grad) and id(param) not in seen:
+                    seen.add(id(param))
+                    groups = tuple(map(id, grad.device_mesh.get_all_groups()))
+                    buckets.setdefault((groups, grad.placements, grad.dtype), []).append((param, fqn))
+        for (_, placements, _), params in buckets.items():
+            _reduce(params, placements)
+
+
+def _reduce(params: list, placements: tuple) -> None:
+    """Sum the partial gradients of ``params`` (``(parameter, fqn)``, one mesh, ``placements``
+    and dtype) in one all-reduce of one flat buffer per partial mesh dim."""
+    grads = [p.grad for p, _ in params]
+    mesh = grads[0].device_mesh
+    flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])
+    names = ", ".join(sorted(fqn for _, fqn in params))
+    for dim, placement in enumerate(placements):
+        if placement.is_partial() and mesh.size(dim) > 1:
+            with collective(f"the all-reduce of the partial gradients of {names} at the "
+                            "end of the backward", mesh):
+                if type(flat) is torch.Tensor and flat.device.type != "meta":  # in place
+                    mesh.get_group(dim).allreduce(flat).wait()
+                else:  # a simulated rank's (LocalTensorMode) or a dry run's
+                    flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+    replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
+    pieces = flat.split([local_tensor(g).numel() for g in grads])
+    for (param, _), grad, piece in zip(params, grads, pieces):
+        spec = DTensorSpec(mesh, replicated, tensor_meta=spec_of(grad).tensor_meta)
+        param.grad = DTensor(piece.view(local_tensor(grad).shape), spec, requires_grad=False)
 
 
 class State:

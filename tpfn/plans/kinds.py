@@ -48,7 +48,8 @@ class Kernel:
     is laid out as input 0, else recalled); ``forward``: ``forward(module, mesh, where, *inputs)``,
     the module's computation on local shards where the kind's own reads global sizes (None: the
     module's own); ``fits``: ``fits(module, n)``, why ``n`` ranks cannot hold it (None: they can;
-    the layouts' own checks aside)."""
+    the layouts' own checks aside); ``fast``: the name of a fast kernel (``tpfn.kernels``) that
+    may compute it in place of the reference route (None: that route alone)."""
 
     output: object
     inputs: tuple = ()
@@ -59,6 +60,7 @@ class Kernel:
     shape: object = None
     forward: object = None
     fits: object = None
+    fast: str | None = None
 
     @property
     def once(self) -> str | None:
@@ -88,10 +90,16 @@ class Meaning:
     shape: object = None
     forward: object = None
     fits: object = None
+    fast: str | None = None
 
 
 def _own_forward(module: nn.Module, kind: type) -> bool:
     return type(module).forward is kind.forward
+
+
+def _linear(module: nn.Linear) -> str | None:
+    """The fast kernel of an ``nn.Linear`` that computes with its own forward (``tpfn.kernels.linear``)."""
+    return "linear" if _own_forward(module, nn.Linear) and "forward" not in vars(module) else None
 
 
 def _linear_shape(module, in_shape):
@@ -142,13 +150,13 @@ def _no_heads(core, module, where: str):
 
 def colwise_linear(core, module: nn.Linear, where: str, owned: tuple):
     return Meaning(_primitives("colwise_linear", core.parts, module.bias is not None, core.heads),
-                   local=_own_forward(module, nn.Linear), shape=_linear_shape)
+                   local=_own_forward(module, nn.Linear), shape=_linear_shape, fast=_linear(module))
 
 
 def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
     return Meaning(_primitives("rowwise_linear", core.parts, module.bias is not None),
                    local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
-                   shape=_linear_shape)
+                   shape=_linear_shape, fast=_linear(module))
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import attrs
 import torch.nn as nn
@@ -56,12 +57,24 @@ class Mount:
 def forward_names(module: nn.Module):
     """``forward``'s positional input names, all its input names (None: it takes ``**kwargs``),
     and whether it takes ``*args``."""
-    if "forward" in vars(module):  # set on the instance: its parameters are all inputs
+    if "forward" in vars(module):  # set on the instance: its parameters are all inputs. Not
+        # cached: such a forward (a bound method, a partial, a wrapper closure) holds the module.
         return _signature_names(vars(module)["forward"], 0)
-    return _signature_names(type(module).forward, 1)  # the class's function: skip self
+    forward = type(module).forward  # the class's function: skip self
+    try:  # cached weakly on the class's function, which holds no module
+        return _CLASS_NAMES[forward]
+    except (KeyError, TypeError):  # not seen yet, or neither hashable nor weakly referable
+        names = _signature_names(forward, 1)
+    try:
+        _CLASS_NAMES[forward] = names
+    except TypeError:
+        pass
+    return names
 
 
-@functools.lru_cache(maxsize=1024)
+_CLASS_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _signature_names(forward, skip: int):
     try:
         sig = inspect.signature(forward)

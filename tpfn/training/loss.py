@@ -23,11 +23,10 @@ True
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import assert_async
+from tpfn._torch import all_reduced, assert_async
 from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.interpret.moves import collective
@@ -38,7 +37,7 @@ __all__ = ["cross_entropy"]
 
 def _reduce(t: torch.Tensor, op: str, mesh, what: str) -> torch.Tensor:
     with collective(f"cross_entropy's all-reduce of {what}", mesh):
-        return funcol.wait_tensor(funcol.all_reduce(t, op, (mesh, 0)))
+        return all_reduced(t, op, (mesh, 0))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

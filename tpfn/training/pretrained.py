@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import in_a_graph, local_tensor, swap_in_place
+from tpfn._torch import buffers_of, in_a_graph, local_tensor, parameters_of, persistent, swap_in_place
 from tpfn.algebra import contiguous_strides, shard_ranges
 from tpfn.errors import CheckpointError
 from tpfn.interpret.layouts import full_value, layouts
@@ -90,7 +90,7 @@ def empty_weights() -> Iterator[None]:
         if param is not None and not param.is_meta:
             moved = type(param)(param.to("meta"), requires_grad=param.requires_grad)
             moved.__dict__.update(param.__dict__)
-            module._parameters[name] = moved
+            parameters_of(module)[name] = moved
 
     nn.Module.register_parameter = on_meta
     try:
@@ -187,7 +187,7 @@ def _targets(model: nn.Module) -> list:
     found: dict = {}
     placed = layouts(model)
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for table, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
+        for table, kind in ((parameters_of(module), "parameter"), (buffers_of(module), "buffer")):
             for name, t in table.items():
                 if t is None:
                     continue
@@ -198,7 +198,7 @@ def _targets(model: nn.Module) -> list:
                     target.names.append(full)
                 if not any(m is module and n == name for m, n in target.slots):
                     target.slots.append((module, name))
-                if kind == "parameter" or name not in module._non_persistent_buffers_set:
+                if kind == "parameter" or persistent(module, name):
                     target.persistent = True
     return list(found.values())
 
@@ -484,7 +484,7 @@ def _fill(target: _Target, value: torch.Tensor) -> None:
                                    shape=t.shape, stride=t.stride())
     if target.kind == "buffer":
         for module, name in target.slots:
-            module._buffers[name] = value
+            buffers_of(module)[name] = value
         return
     swap_in_place(t, nn.Parameter(value, requires_grad=t.requires_grad))
 
