@@ -45,11 +45,10 @@ import functools
 import weakref
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, graph_task_id, local_tensor, parameter,
+from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, all_reduced, graph_task_id, local_tensor, parameter,
                          per_rank, queue_callback, rank_sizes, spec_of)
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
@@ -324,7 +323,7 @@ def _reduce(params: list, placements: tuple) -> None:
                 if type(flat) is torch.Tensor and flat.device.type != "meta":  # in place
                     mesh.get_group(dim).allreduce(flat).wait()
                 else:  # a simulated rank's (LocalTensorMode) or a dry run's
-                    flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+                    flat = all_reduced(flat, "sum", (mesh, dim))
     replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
     pieces = flat.split([local_tensor(g).numel() for g in grads])
     for (param, _), grad, piece in zip(params, grads, pieces):
