@@ -4,8 +4,7 @@
 counts by op: ``c10d_functional.all_reduce``, ``c10d.allreduce_``, ...), ``counts`` turns a
 ``CommDebugMode`` into a plain dict, and ``record`` measures a run.
 
->>> import torch.distributed._functional_collectives  # registers the functional ops
->>> kind(torch.ops._c10d_functional.reduce_scatter_tensor), kind(torch.ops.c10d.allreduce_.default)
+>>> kind(torch.ops.c10d.reduce_scatter_.default), kind(torch.ops.c10d.allreduce_.default)
 ('reduce_scatter', 'all_reduce')
 >>> kind(torch.ops.aten.mm) is None
 True
