@@ -332,11 +332,6 @@ class Report:
         if backward:
             out.insert(2, ("overlapping weight gradients",
                            f"{sum(c.overlaps > 0 for c in backward)} of {len(backward)} backward collectives"))
-        gathers = [c for c in self.comms if c.phase == "forward" and c.kind == "all_gather"]
-        if any(c.overlaps for c in gathers):
-            out.insert(2, ("overlapping this rank's rows",
-                           f"{sum(c.overlaps > 0 for c in gathers)} of {len(gathers)} forward all-gathers "
-                           f"({sum(c.overlaps for c in gathers)} linears)"))
         m = self.megatron
         if m is not None:
             formula, measured = self.megatron_bytes, self.blocks_bytes
