@@ -379,7 +379,8 @@ def outcome(name: str, mesh) -> dict:
     parameters whose gradients are partial sums (``_partial_sums``) and ``"fixed"`` is the
     run of the model's plan with ``replicated_with_grad_allreduce`` on their modules.
     ``"rounding"``: one device's own float32 error (``_rounding``), measured where a run is
-    off by less than 1e-2."""
+    off by more than ``TOLERANCE / ROUNDING`` and less than 1e-2 (whether a run lies just
+    under ``TOLERANCE`` or just over it depends on the CPU's kernels; its rounding does not)."""
     from tpfn._fqn import generalize
 
     found = {"name": name, "model": None, "skip": None, "rounding": None}
@@ -414,7 +415,7 @@ def outcome(name: str, mesh) -> dict:
                                                              ref, expected)[0]}
     found["hf"], _ = _run(with_transformers, model, mesh, inputs, cotangent, ref, expected)
     runs = [found["tpfn"], found["hf"], found["tpfn"].get("fixed")]
-    if any(r and "error" not in r and not at_parity(r) and _worst(r)[1] < 1e-2 for r in runs):
+    if any(r and "error" not in r and TOLERANCE / ROUNDING < _worst(r)[1] < 1e-2 for r in runs):
         found["rounding"] = _rounding(model, inputs, cotangent, expected, ref)
     return found
 

@@ -44,10 +44,10 @@ def prepare_outs(draw):
 
 @st.composite
 def on_shards_styles(draw):
-    wants = draw(st.lists(slot_layouts, max_size=2).map(tuple))
-    each = st.tuples(*[out_layouts for _ in wants])  # one per input, None included
-    grads = draw(st.one_of(st.none(), out_layouts, each) if wants else st.one_of(st.none(), each))
-    return on_shards(*wants, grads=grads, output=draw(out_layouts), local=draw(flags))
+    desired = draw(st.lists(slot_layouts, max_size=2).map(tuple))
+    each = st.tuples(*[out_layouts for _ in desired])  # one per input, None included
+    grads = draw(st.one_of(st.none(), out_layouts, each) if desired else st.one_of(st.none(), each))
+    return on_shards(*desired, grads=grads, output=draw(out_layouts), local=draw(flags))
 
 
 stages = st.one_of(

@@ -117,11 +117,11 @@ _BY_MODULE = ("replicated_with_grad_allreduce", "moe_tp_experts", "mla_kv_a_proj
 KNOWN = sorted({*MODULE_STYLES, *_BY_MODULE, *PARAM_RULES, *UNSUPPORTED})
 
 
-def _partial_grads(module: nn.Module, *wants, grads=None):
-    """``module`` on local tensors (inputs ``wants``) with its own parameters replicated and
+def _partial_grads(module: nn.Module, *desired, grads=None):
+    """``module`` on local tensors (inputs ``desired``) with its own parameters replicated and
     their gradients partial sums over the ranks."""
     partial = {n: Partial() for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-    return replicate() >> on_shards(*wants, grads=grads, param_grads=partial)
+    return replicate() >> on_shards(*desired, grads=grads, param_grads=partial)
 
 
 def _latent(fqn: str, modules: dict, keyed: dict, styles: dict, found: list):

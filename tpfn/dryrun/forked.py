@@ -1,12 +1,16 @@
 """Run a function on N real ranks in one call: forked children over a private gloo group.
 
-``on_ranks(run, fail, n, timeout=...)`` forks ``n`` children. The parent hosts a TCP store on
-a free port of 127.0.0.1; each child makes a private gloo group and a 1-D mesh over it (the
-parent's own default group, if any, is left alone), calls ``run(rank, mesh)`` and sends back
-its value, or ``fail(rank, exception)`` for a failure, then ends with ``os._exit``. Children
-are forked, not spawned: what ``run`` uses may live in ``__main__``, a notebook or a docs
-page, which a spawned process could not import. The parent waits a bounded time (``grace``
-once a rank failed), then kills and reaps every child, whatever happens.
+``on_ranks(run, fail, n, timeout=...)`` forks ``n`` children, then hosts a TCP store on a free
+port of 127.0.0.1 and hands each child its port; each child makes a private gloo group and a
+1-D mesh over it (the parent's own default group, if any, is left alone), calls
+``run(rank, mesh)`` and sends back its value, or ``fail(rank, exception)`` for a failure, then
+ends with ``os._exit``. Children are forked, not spawned: what ``run`` uses may live in
+``__main__``, a notebook or a docs page, which a spawned process could not import. They are
+all forked before the store exists: a fork copies the locks that other threads hold at that
+instant, and the store's server thread, busy accepting the first children's connections,
+would leave a later child a lock that no thread of it ever releases. The parent waits a
+bounded time (``grace`` once a rank failed), then kills and reaps every child, whatever
+happens.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ def _mesh(store, rank: int, n: int, timeout: float):
     return private_mesh(f"tpfn-ranks-{n}-{uuid.uuid4().hex[:8]}", group, n, rank)
 
 
-def _child(rank: int, n: int, port: int, conn, run, fail, timeout: float) -> None:
-    """A forked child: one rank's run, its result (or its failure) sent back, then exit."""
+def _child(rank: int, n: int, conn, run, fail, timeout: float) -> None:
+    """A forked child: the store's port received, one rank's run, its result (or its failure)
+    sent back, then exit."""
     try:
         torch.set_num_threads(1)
+        port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
         result = ("ok", run(rank, _mesh(store, rank, n, timeout)))
@@ -55,21 +61,23 @@ def on_ranks(run, fail, n: int, *, timeout: float, grace: float = 5.0) -> dict:
     """``{rank: ("ok", run's value) | ("error", fail's value)}``; a rank that dies or does not
     finish in ``timeout`` seconds is an error ``(message, "")``. Every child is killed and
     reaped before this returns."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
     sys.stdout.flush()
     sys.stderr.flush()
     pids, conns = [], {}
     try:
         for rank in range(n):
-            read, write = Pipe(duplex=False)
+            mine, theirs = Pipe()
             pid = os.fork()
             if pid == 0:  # the child
-                read.close()
-                _child(rank, n, store.port, write, run, fail, timeout)
-            write.close()
+                mine.close()
+                _child(rank, n, theirs, run, fail, timeout)
+            theirs.close()
             pids.append(pid)
-            conns[rank] = read
+            conns[rank] = mine
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        for conn in conns.values():
+            conn.send(store.port)
         results: dict = {}
         deadline = time.monotonic() + timeout
         while conns:

@@ -119,7 +119,7 @@ class Param:
 
 @attrs.frozen
 class Transition:
-    """One input or output slot: the layout it arrives in, the one wanted, and the steps between.
+    """One input or output slot: the layout it arrives in, the one desired, and the steps between.
 
     >>> from tpfn.algebra import transition
     >>> Transition("output 0", Partial(), Replicate(), transition(Partial(), Replicate()))
@@ -348,7 +348,7 @@ class Report:
         and the collectives it issues forward and backward; a cell too long for its column
         wraps onto the next line, a style between its ``>>``. ``wide``: also a line per
         parameter (placement, global -> local shape) and per input and output slot (layout
-        given -> wanted, the steps between). ``str(report)`` is ``report.text()``.
+        given -> desired, the steps between). ``str(report)`` is ``report.text()``.
 
         >>> report = tpfn.explain(nn.Linear(16, 16), colwise() >> prepare_out(Replicate()),
         ...                       world_size=4, example_inputs=(8, 16), dtype=torch.float32)

@@ -3,7 +3,7 @@
 DTensor runs every op inside a parallelized module through its sharding propagation. Where
 tpfn knows a module's layouts (a ``Kernel``), that work is known in advance: the module is
 handed local views of its parameters' shards (their gradients flow back to the DTensor
-parameters as DTensors), and each input and output is moved to the wanted layout with one
+parameters as DTensors), and each input and output is moved to the desired layout with one
 autograd node whose backward is the dual transition (Megatron's f and g). The numbers are the
 ones DTensor computes, and every autograd observer sees ordinary nodes: a view saves its
 DTensor parameter, so an in-place step on it between forward and backward raises autograd's

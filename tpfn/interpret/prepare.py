@@ -53,19 +53,19 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: i
         problem = unpackable(name, param.shape, layout, mesh.size())
         if problem:
             raise LayoutError(problem)
-        wanted = to_torch(layout)
+        desired = to_torch(layout)
         if isinstance(param, DTensor):
-            if param.device_mesh != mesh or param.placements != wanted or not exact_in_torch(layout):
+            if param.device_mesh != mesh or param.placements != desired or not exact_in_torch(layout):
                 raise LayoutError(f"parameter {name!r} is already a DTensor laid out "
                                   f"{from_torch(param.placements)} on {param.device_mesh}; it cannot "
                                   f"also be {layout!r} on {mesh}.")
             out[name] = param
             continue
         if param.is_meta and exact_in_torch(layout):  # no values to send: its DTensor at once
-            dt, on = meta_dtensor(param, mesh, wanted), mesh
+            dt, on = meta_dtensor(param, mesh, desired), mesh
         else:
             with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
-                dt, on = (distribute_tensor(param, mesh, wanted, src_data_rank=src_rank), mesh) \
+                dt, on = (distribute_tensor(param, mesh, desired, src_data_rank=src_rank), mesh) \
                     if exact_in_torch(layout) else _beyond_dtensor(param, mesh, layout, src_rank, views)
         if is_param:
             dt = nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -257,12 +257,12 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
         dt = DTensor.from_local(x, mesh, given, run_check=False, shape=shape,
                                 stride=contiguous_strides(shape))
     if slot.desired is not None:
-        wanted, current = placements(slot.desired, x.ndim), dt.placements
-        if wanted != current:  # a no-op redistribute would reduce partial gradients
+        desired, current = placements(slot.desired, x.ndim), dt.placements
+        if desired != current:  # a no-op redistribute would reduce partial gradients
             try:
-                dt = dt.redistribute(mesh, wanted)
+                dt = dt.redistribute(mesh, desired)
             except RuntimeError as error:
-                raise failed(what, from_torch(current), from_torch(wanted), error, mesh) from error
+                raise failed(what, from_torch(current), from_torch(desired), error, mesh) from error
     if not local:
         return dt
     out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))

@@ -37,7 +37,7 @@ class Kernel:
     """What a module computes on local tensors, in layouts.
 
     ``output``: the layout of its local output (``Partial()`` before a row-wise reduction; None:
-    handed on untouched); ``inputs``: per positional input, ``(wanted, grad)``, the layout it
+    handed on untouched); ``inputs``: per positional input, ``(desired, grad)``, the layout it
     computes with and the layout of the gradient it computes for it (None: no gradient, e.g. token
     ids); ``grads``: parameter name -> layout of its local gradient where that differs from the
     parameter's own; ``bias_once``: a replicated bias added once to partial sums; ``vocab``: an

@@ -98,7 +98,7 @@ def owned(module: nn.Module, bound=()) -> tuple:
 def _on_dtensors(stage: OnShards) -> tuple:
     """An ``on_shards`` stage as stages for a module that computes on DTensors: the same
     layouts at its slots, moved by DTensor."""
-    return (Inputs(tuple(Slot(None, w) for w in stage.wants), local=False),
+    return (Inputs(tuple(Slot(None, w) for w in stage.desired), local=False),
             Outputs(stage.outputs, local=stage.local))
 
 
@@ -152,9 +152,9 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
             if name not in names_here:
                 found.append(f"{n.core!r} at {where}: no parameter {name!r}; it has "
                              f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
-        inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.wants), "input"),
+        inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.desired), "input"),
                         inputs.kwargs, True, inputs.arity)
-        kernel = Kernel(n.core.output, tuple(zip(n.core.wants, n.core.grads)), n.core.param_grads,
+        kernel = Kernel(n.core.output, tuple(zip(n.core.desired, n.core.grads)), n.core.param_grads,
                         **extras)
     default_out = n.core.default_local if n.core is not None else True
     outputs = attrs.evolve(n.outputs, local=default_out if n.outputs.local is None else n.outputs.local)

@@ -9,7 +9,7 @@ True
 True
 
 Each input or output *slot* carries ``given`` (the layout a tensor arrives in) and ``desired`` (the
-layout wanted after it). Composition folds a chain of slots into one, so a chain mounts as at most
+layout desired after it). Composition folds a chain of slots into one, so a chain mounts as at most
 one redistribution per slot: ``rowwise() >> prepare_out(Shard(1))`` reduce-scatters the partial sums
 directly. Inputs come before the core, outputs after it, at most one core; ``params`` go anywhere.
 """
@@ -62,7 +62,7 @@ def colwise(*, parts: int | tuple = 1, heads: int | None = None, local: bool | N
 
     - ``nn.Linear``: ``weight`` and ``bias`` become ``Shard(0)`` (output features).
     - ``nn.Embedding``: ``weight`` becomes ``Shard(1)`` (the embedding dim).
-    - Input 0 is wanted ``Replicate()``; a plain tensor is taken to be replicated, a DTensor
+    - Input 0 is desired ``Replicate()``; a plain tensor is taken to be replicated, a DTensor
       is redistributed. The backward all-reduces the input's gradient.
     - Output 0 is ``Shard(-1)``, handed on as a local tensor (``local=False``: a DTensor).
     - ``parts=k``: the output features pack ``k`` equal parts (a fused gate and up
@@ -93,14 +93,14 @@ def rowwise(*, parts: int | tuple = 1, local: bool | None = None) -> Style:
     """Shard an ``nn.Linear`` or ``nn.Embedding`` row-wise (its input features / vocabulary).
 
     - ``nn.Linear``: ``weight`` becomes ``Shard(1)`` (input features), ``bias`` ``Replicate()``.
-      Input 0 is wanted ``Shard(-1)``; a plain tensor is taken to be sharded so.
+      Input 0 is desired ``Shard(-1)``; a plain tensor is taken to be sharded so.
     - ``nn.Embedding``: ``weight`` becomes ``Shard(0)`` (vocabulary). Input 0, the token ids,
-      is wanted ``Replicate()`` (PyTorch assumes ``Shard(-1)`` here unless told otherwise).
+      is desired ``Replicate()`` (PyTorch assumes ``Shard(-1)`` here unless told otherwise).
     - The computation leaves partial sums, ``Partial()``, reduced to output 0 as
       ``Replicate()`` by an all-reduce (``>> prepare_out(Shard(1))``: one reduce-scatter),
       handed on as a local tensor (``local=False``: a DTensor).
     - ``parts=k``: the input features pack ``k`` equal parts; ``weight`` becomes
-      ``Shard(1, parts=k)`` and input 0 is wanted ``Shard(-1, parts=k)``; ``parts=(a, b)``:
+      ``Shard(1, parts=k)`` and input 0 is desired ``Shard(-1, parts=k)``; ``parts=(a, b)``:
       parts of those sizes, as a ``colwise(parts=(a, b))`` before it hands them on.
 
     Same as PyTorch's ``RowwiseParallel()`` (with replicated ids for embeddings).
@@ -116,7 +116,7 @@ def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
 
     For norms and dropout (modules whose parameters, if any, are 1-D): every parameter
     becomes ``Replicate()`` (broadcast from ``src_rank``, so any initialization survives);
-    input 0 is wanted ``Shard(dim)`` (a plain tensor is taken to be sharded so, a DTensor
+    input 0 is desired ``Shard(dim)`` (a plain tensor is taken to be sharded so, a DTensor
     is redistributed); output 0 is ``Shard(dim)``, a DTensor (``local=True``: a local tensor).
     The parameters' gradients are partial sums over the slices; at the end of backward, those
     of all such parameters are summed in one all-reduce (``tpfn.interpret.state``).
@@ -133,18 +133,18 @@ def sequence_parallel(dim: int = 1, *, local: bool | None = None) -> Style:
     return Style((Core("sequence_parallel", dim=dim, local=_local(local)),))
 
 
-def on_shards(*wants: Placement | None, grads: Placement | tuple | None = None,
+def on_shards(*desired: Placement | None, grads: Placement | tuple | None = None,
               output: Placement | None = None, param_grads: dict | None = None,
               local: bool | None = None) -> Style:
-    """The module computes on local tensors: its parameters' local shards, its inputs in ``wants``.
+    """The module computes on local tensors: its parameters' local shards, its inputs in ``desired``.
 
     For any module whose layouts you know (a mixture of experts, a per-head norm): tpfn then
     runs it like a built-in core, without DTensor's per-op dispatch.
 
-    - ``wants``: per positional input, the layout the module computes with (``None``:
+    - ``desired``: per positional input, the layout the module computes with (``None``:
       untouched); the input is moved there once.
     - ``grads``: per input (or one for all), the layout of the gradient the module computes
-      for it (default: ``wants``; an input replicated into a computation sharded on its
+      for it (default: ``desired``; an input replicated into a computation sharded on its
       output features gets ``Partial()`` gradients).
     - ``output``: the layout of the module's local output (``None``: handed on untouched).
     - ``param_grads``: parameter name -> layout of its local gradient where it differs from
@@ -158,13 +158,13 @@ def on_shards(*wants: Placement | None, grads: Placement | tuple | None = None,
     >>> replicate() >> on_shards(param_grads={"weight": Partial()})
     replicate() >> on_shards(param_grads={'weight': Partial()})
     """
-    wants = tuple(placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(wants))
+    desired = tuple(placement_or_none(f"on_shards: input {i}", w) for i, w in enumerate(desired))
     if is_placement(grads):  # one layout for every input the module computes with
-        if not wants:
+        if not desired:
             raise TypeError(f"on_shards: 'grads' has no inputs to apply to: give one layout per input first "
                             f"(None: untouched), e.g. on_shards(Replicate(), grads={grads!r}).")
-        grads = tuple(None if w is None else grads for w in wants)
-    grads = wants if grads is None else _per_slot("on_shards: 'grads'", grads, len(wants),
+        grads = tuple(None if w is None else grads for w in desired)
+    grads = desired if grads is None else _per_slot("on_shards: 'grads'", grads, len(desired),
                                                    "on_shards(Replicate(), grads=Partial())")
     output = placement_or_none("on_shards: 'output'", output)
     param_grads = param_grads or {}
@@ -172,7 +172,7 @@ def on_shards(*wants: Placement | None, grads: Placement | tuple | None = None,
         if not isinstance(name, str) or not is_placement(placement):
             raise TypeError(f"on_shards: 'param_grads' maps parameter names to placements "
                             f"(got {name!r}: {placement!r}).")
-    return Style((OnShards(wants, grads, output, tuple(sorted(param_grads.items())), _local(local)),))
+    return Style((OnShards(desired, grads, output, tuple(sorted(param_grads.items())), _local(local)),))
 
 
 def replicate() -> Style:
@@ -278,7 +278,7 @@ def prepare_in(*given: Placement | None, desired: Placement | tuple | None = Non
     prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)
     """
     given = tuple(placement_or_none(f"prepare_in: input {i}", g) for i, g in enumerate(given))
-    wanted = _per_slot("prepare_in: 'desired'", desired, len(given), "prepare_in(None, desired=Replicate())")
+    desired = _per_slot("prepare_in: 'desired'", desired, len(given), "prepare_in(None, desired=Replicate())")
     backs = _per_slot("prepare_in: 'grads'", grads, len(given),
                       "prepare_in(Replicate(), desired=Partial(), grads=Partial(), local=True)")
     for i, (g, back) in enumerate(zip(given, backs)):
@@ -287,7 +287,7 @@ def prepare_in(*given: Placement | None, desired: Placement | tuple | None = Non
                             f"terms of a sum: grads=Partial() on a given Replicate() with local=True (input "
                             f"{i} is given {g!r}, grads={back!r}, local={local!r}); every other input's "
                             "gradient is handed back whole, as its given layout's cotangent.")
-    slots = fold(tuple(Slot(g, d, b) for g, d, b in zip(given, wanted, backs)), (), "input")
+    slots = fold(tuple(Slot(g, d, b) for g, d, b in zip(given, desired, backs)), (), "input")
     named = _named_slots("prepare_in: 'kwargs'", kwargs, "given")
     return Style((Inputs(slots, named, _local(local), arity),))
 

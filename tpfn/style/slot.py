@@ -25,7 +25,7 @@ def _shard_compatible(a, b) -> bool:
 
 @attrs.frozen(cache_hash=True, repr=False)
 class Slot:
-    """One input or output: the layout it arrives in (``given``) and the one wanted (``desired``).
+    """One input or output: the layout it arrives in (``given``) and the one desired (``desired``).
 
     ``given=None`` accepts what arrives: a DTensor brings its own layout, a plain tensor is
     taken to be in ``desired`` already. A slot with neither is left alone. ``grad``: the

@@ -164,25 +164,25 @@ class Core:
 class OnShards:
     """Stage: the module computes on local tensors in the layouts given (see ``on_shards``)."""
 
-    wants: tuple = attrs.field(default=(), validator=_layouts)
+    desired: tuple = attrs.field(default=(), validator=_layouts)
     grads: tuple = attrs.field(default=(), validator=_layouts)
     output: object = attrs.field(default=None, validator=_layout)
     param_grads: tuple = attrs.field(default=(), validator=_rules)
     local: object = attrs.field(default=None, validator=_local)
 
     def __attrs_post_init__(self):
-        if len(self.grads) != len(self.wants):
-            raise TypeError(f"'grads' must have one layout per input ({len(self.wants)}), "
+        if len(self.grads) != len(self.desired):
+            raise TypeError(f"'grads' must have one layout per input ({len(self.desired)}), "
                             f"got {self.grads!r}.")
 
     def __repr__(self):
         grads = None
-        if self.grads != self.wants:  # one layout for every input computed with, or one each
-            uniform = {g for w, g in zip(self.wants, self.grads) if w is not None}
+        if self.grads != self.desired:  # one layout for every input computed with, or one each
+            uniform = {g for w, g in zip(self.desired, self.grads) if w is not None}
             broadcast = len(uniform) == 1 and uniform != {None} and self.grads == tuple(
-                None if w is None else next(iter(uniform)) for w in self.wants)
+                None if w is None else next(iter(uniform)) for w in self.desired)
             grads = next(iter(uniform)) if broadcast else self.grads
-        return _constructor_repr("on_shards", [repr(w) for w in self.wants], grads=grads,
+        return _constructor_repr("on_shards", [repr(w) for w in self.desired], grads=grads,
                                  output=self.output, param_grads=dict(self.param_grads) or None,
                                  local=self.local)
 
