@@ -23,8 +23,8 @@ sequence shards and the parent gathers its input (the replica is the all-gathere
 4. A reader whose gradient never comes (v's output unused, k's detached): its weight's
    hooks are not called (one device calls none); a clipping hook does not crash.
 
-Parameter hooks are registered after ``parallelize``, on the DTensor parameters (hooks on
-the parameters it replaces are not carried over).
+Parameter hooks are registered after ``parallelize``, on the DTensor parameters (those
+registered before it move to them: tests/test_adversarial.py).
 """
 
 from __future__ import annotations

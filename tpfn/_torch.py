@@ -35,7 +35,7 @@ __all__ = [
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
     "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
-    "rank_sizes", "simulated_shapes", "parameter"]
+    "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -238,6 +238,21 @@ def current_mesh():
 def in_a_graph(t: torch.Tensor) -> bool:
     """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place)."""
     return t._use_count() > (2 if t.is_leaf else 1)
+
+
+def gradient_hooks(t: torch.Tensor) -> int:
+    """How many gradient hooks a user registered on the leaf ``t`` (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return len(t._backward_hooks or {}) + len(t._post_accumulate_grad_hooks or {})
+
+
+def move_gradient_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give the leaf ``new`` the gradient hooks of the leaf ``old`` that it replaces: the very
+    dicts, so that the handles ``register_hook`` returned still remove them."""
+    if old._backward_hooks:
+        new._backward_hooks = old._backward_hooks
+    if old._post_accumulate_grad_hooks:
+        new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
 
 
 def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:

@@ -277,6 +277,11 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
             found.append(f"{generalize(fqn)!r} is 'moe_identity_expert', which hands the identity "
                          "experts' input on as terms of the sum that 'moe_tp_experts' makes of its "
                          f"experts' outputs; its module {module} {why}. Key it 'moe_tp_experts'.")
+    if not found and not styles:
+        found.append(f"{type(model).__name__}: {'this' if tp_plan else 'the empty'} tp_plan shards "
+                     f"nothing{'' if tp_plan else ' (the model declares none)'}, and every rank "
+                     "would hold and compute the whole model; write a plan for it (docs/plans.md), "
+                     "or leave the model unparallelized to run it whole on purpose.")
     if found:
         raise PlanError(list(dict.fromkeys(found)))  # a problem of every layer, once
     parents = [fqn.rpartition(".")[0] for fqn, string in keyed.items()  # of column-wise children

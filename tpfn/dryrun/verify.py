@@ -66,7 +66,8 @@ class Verification:
 
     ``checks`` are per module in execution order; ``culprit`` names the first module whose
     inputs agree with one device and whose output does not (or, if every output agrees, the
-    last one whose gradients do not); ``failure`` says which rank raised, where and what."""
+    last one whose gradients do not); ``failure`` says which rank raised, where and what;
+    ``notes``, what the numbers do not show (an output each rank holds a shard of)."""
 
     world_size: int
     tolerance: float
@@ -75,6 +76,7 @@ class Verification:
     culprit: str | None = None
     hint: str | None = None
     failure: str | None = None
+    notes: tuple = ()
     trace: str | None = attrs.field(default=None, repr=False)  # the failing rank's traceback
 
     @property
@@ -91,6 +93,7 @@ class Verification:
             lines.append("ok: every output and parameter gradient agrees with one device")
         else:
             lines.append(f"DIVERGES: {self.hint}")
+        lines += [f"note: {note}" for note in self.notes]
         if self.checks:
             table = [("module", "style", "output", "gradients")]
             for c in self.checks:
@@ -262,7 +265,9 @@ def _run(model: nn.Module, args, kwargs, cotangents, mesh=None, phase=None) -> d
         phase[0] = "backward"
         whole = outs if mesh is None else [_whole(t, model, mesh, c) for t, c in zip(outs, cotangents)]
         torch.autograd.backward(sum((w * c).sum() for w, c in zip(whole, cotangents)))
-    return {"seen": seen, "order": order, "grads": _grads(model), "cotangents": cotangents}
+    shapes = [None if isinstance(t, DTensor) else tuple(t.shape) for t in outs]  # local ones
+    return {"seen": seen, "order": order, "grads": _grads(model), "cotangents": cotangents,
+            "shapes": shapes}
 
 
 # -- verify ---------------------------------------------------------------------------------
@@ -287,6 +292,21 @@ def _on_ranks(job: _Job, n: int, timeout: float) -> dict:
                 traceback.format_exc())
 
     return on_ranks(run, fail, n, timeout=timeout)
+
+
+def _sharded_outputs(ref: dict, ranks: list) -> tuple:
+    """A note per output that each rank returns a local shard of (compared here as a whole,
+    but what a caller's loss takes as it is)."""
+    notes = []
+    for i, whole in enumerate(ref["shapes"]):
+        local = [r["shapes"][i] for r in ranks]
+        if any(shape is not None and shape != whole for shape in local):
+            notes.append(
+                f"output {i} of the model is each rank's local shard (rank 0: {local[0]} of {whole}): "
+                "a loss that takes it as it is (labels=...) sees a part of it; end the plan with "
+                "prepare_out(Replicate()) on the module that makes it, or take the loss with "
+                "tpfn.cross_entropy(..., mesh=mesh) on the shards.")
+    return tuple(notes)
 
 
 def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
@@ -496,6 +516,7 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
         message, trace = errors[0]
         return attrs.evolve(report, failure=message, trace=trace or None)
     ranks = [results[r][1] for r in range(world_size)]
+    report = attrs.evolve(report, notes=_sharded_outputs(ref, ranks))
     checks = _checks(model, mounts, ref, ranks)
     found = _culprit(checks, ref, ranks, tolerance)
     if found is None:

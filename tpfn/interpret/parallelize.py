@@ -24,10 +24,11 @@ import logging
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import buffers_of, current_mesh, parameters_of
+from tpfn._torch import buffers_of, current_mesh, gradient_hooks, move_gradient_hooks, parameters_of
 from tpfn.algebra import cotangent
 from tpfn.errors import PlanError
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
@@ -268,6 +269,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
     bound = resolve(plan, module)
+    if not bound:
+        raise PlanError([f"the plan binds no module of {type(module).__name__}: parallelize would shard "
+                         "nothing, and every rank would hold and compute the whole model; give it rules "
+                         "(docs/plans.md), or leave the model unparallelized to run it whole on purpose."])
     modules = dict(module.named_modules())
     found = [f"{describe(modules[m.fqn], m.fqn)} is already parallelized "
              f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
@@ -276,11 +281,16 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     fits = [(m, m.kernel.fits(modules[m.fqn], mesh.size())) for m in bound
             if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
+    found += _fully_sharded(modules) + _hooks_on_partial_sums(modules, bound)
     if found + tied:
         raise PlanError(found + tied)
 
     new = shard_params(module, mesh, rule, src_rank=src_rank)
-    replacement = {id(placed_tensor(module, name)): param for name, param in new.items()}
+    replacement = {}
+    for name, param in new.items():
+        old = placed_tensor(module, name)
+        move_gradient_hooks(old, param)  # a user's hooks stay with the parameter they were put on
+        replacement[id(old)] = param
     for sub in module.modules():
         for table in (parameters_of(sub), buffers_of(sub)):
             for name, param in list(table.items()):
@@ -304,6 +314,35 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for reader in readers:
                 reader.group = owner.ctx.group
     return module
+
+
+def _fully_sharded(modules: dict) -> list:
+    """The problem of a model that ``fully_shard`` (FSDP2) already manages: its all-gathers
+    would hand the bound modules whole parameters where they compute on shards."""
+    fsdp = [fqn for fqn, sub in modules.items() if isinstance(sub, FSDPModule)]
+    if not fsdp:
+        return []
+    names = ", ".join(describe(modules[f], f) for f in fsdp[:3]) + (", ..." if len(fsdp) > 3 else "")
+    return [f"{names} {'is' if len(fsdp) == 1 else 'are'} already sharded by fully_shard (FSDP2): "
+            "its all-gathers would hand the bound modules "
+            "whole parameters; parallelize the fresh model first, then fully_shard it on the "
+            "data-parallel mesh (docs/training.md)."]
+
+
+def _hooks_on_partial_sums(modules: dict, bound) -> list:
+    """The problems of gradient hooks on parameters whose gradients are partial sums until the
+    end of the backward (a hook would see one rank's terms, not the gradient)."""
+    found = []
+    for m in bound:
+        for name, layout in (m.kernel.grads if m.kernel else ()):
+            param = placed_tensor(modules[m.fqn], name)
+            if isinstance(layout, Partial) and gradient_hooks(param):
+                found.append(
+                    f"parameter {join(m.fqn, name)!r} has gradient hooks (register_hook or "
+                    "register_post_accumulate_grad_hook), but under this plan its gradient is each "
+                    "rank's partial sum until the end of the backward, so a hook would see one rank's "
+                    "terms: remove them, and change the summed .grad after backward() instead.")
+    return found
 
 
 def _reads_replica(rt: Runtime) -> bool:

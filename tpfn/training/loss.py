@@ -30,7 +30,8 @@ from tpfn._torch import all_reduced, assert_async
 from tpfn.algebra import chunk_bounds
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.interpret.moves import collective
-from tpfn.interpret.state import recall
+from tpfn.interpret.agree import agreed_shape
+from tpfn.interpret.state import Guess, recall
 
 __all__ = ["cross_entropy"]
 
@@ -98,7 +99,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     ``mesh`` given. ``target`` holds class indices, replicated. The other arguments are
     ``F.cross_entropy``'s: class ``weight`` (the whole vector), ``ignore_index``, ``reduction``
     (``"mean"``, ``"sum"``, ``"none"``), ``label_smoothing``. Returns a plain tensor, the same on
-    every rank. Forward: two all-reduces of per-token statistics; backward: none."""
+    every rank. Forward: two all-reduces of per-token statistics (and, for a local tensor that
+    is not the very one a slot handed on, such as ``logits.flatten(0, 1)``, one all-gather of
+    the ranks' local shapes: an odd vocabulary splits unevenly); backward: none."""
     if size_average is not None or reduce is not None:
         raise TypeError("cross_entropy: size_average and reduce are deprecated in torch; use reduction=.")
     if reduction not in ("mean", "sum", "none"):
@@ -120,8 +123,11 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     elif mesh is None:
         raise TypeError("cross_entropy: give the sharded logits as a DTensor, or a local tensor with mesh=.")
     else:
-        x = input
-        n_classes = recall(x, (torch.distributed.tensor.Shard(class_dim),), mesh)[class_dim]
+        x, placements = input, (torch.distributed.tensor.Shard(class_dim),)
+        shape = recall(x, placements, mesh)  # exact for the very tensor a slot handed on
+        if isinstance(shape, Guess):  # another (logits.flatten(0, 1)): 11 classes are 6 and 5,
+            shape = agreed_shape(x, placements, mesh, "cross_entropy's logits") or shape  # not 12, 10
+        n_classes = shape[class_dim]
     if weight is not None and (weight.dim() != 1 or weight.numel() != n_classes):
         raise ValueError(f"cross_entropy: 'weight' must hold one weight per class, {n_classes} "
                          f"(got one of shape {tuple(weight.shape)}).")

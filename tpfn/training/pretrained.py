@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import re
@@ -477,16 +478,34 @@ def _placed(value: torch.Tensor, key: str, target: _Target, dtype) -> torch.Tens
     return value.to(device=device, dtype=dtype).contiguous()
 
 
-def _fill(target: _Target, value: torch.Tensor) -> None:
+def _fill(target: _Target, value: torch.Tensor):
+    """Put ``value`` (this rank's slice) in ``target``'s place; returns what undoes it."""
     t = target.tensor
     if isinstance(t, DTensor):
         value = DTensor.from_local(value, t.device_mesh, t.placements, run_check=False,
                                    shape=t.shape, stride=t.stride())
     if target.kind == "buffer":
+        old = [(module, name, buffers_of(module)[name]) for module, name in target.slots]
         for module, name in target.slots:
             buffers_of(module)[name] = value
-        return
-    swap_in_place(t, nn.Parameter(value, requires_grad=t.requires_grad))
+        return lambda: [buffers_of(module).__setitem__(name, b) for module, name, b in old]
+    new = nn.Parameter(value, requires_grad=t.requires_grad)
+    swap_in_place(t, new)
+    return functools.partial(swap_in_place, t, new)  # new now holds the old values: swap back
+
+
+def _fill_all(plan: list, values: list) -> None:
+    """Fill every target, or none: an interrupt (``KeyboardInterrupt``) or an error part way
+    undoes what was filled before it is raised on."""
+    undo = []
+    try:
+        with torch.no_grad():
+            for (target, _, _), value in zip(plan, values):
+                undo.append(_fill(target, value))
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
@@ -542,9 +561,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                               "corrupt: download or save it again.")
                 break
     _refuse(failed, mesh)
-    with torch.no_grad():
-        for (target, _, _), value in zip(plan, values):
-            _fill(target, value)
+    _fill_all(plan, values)
     left = [n for t in _targets(model) if t.meta for n in t.names[:1]]
     if left:  # _check refuses this; kept as the last word on "nothing unwritten"
         raise RuntimeError(f"after loading, {left} are still on the meta device: please report this.")

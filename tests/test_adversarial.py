@@ -1,0 +1,210 @@
+"""What a demanding user tries, on two gloo ranks: one device's numbers or a named error on
+every rank, never a third outcome. Each case came in as a report; the module keeps growing.
+
+Gradient hooks registered before ``parallelize``: kept on the DTensor parameter that replaces
+theirs (native TP drops them without a word), or refused by name where the gradient they
+would see is one rank's partial sum. A model ``fully_shard`` (FSDP2) already manages: refused
+by name (its all-gathers would hand the bound modules whole weights), nothing changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import tpfn
+from tests.models import clone, full, rel_err
+from tests.ranks import mesh
+from tpfn import PlanError, Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
+
+# One forward and backward on 2 ranks against one device, float64: the sums reorder, ~1e-16.
+TOL = 1e-12
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).double()
+
+
+MLP_PLAN = {"": prepare_in(Replicate()), "0": colwise(), "2": rowwise()}
+
+
+def _hooked(model: nn.Module, calls: list) -> list:
+    """A clipping tensor hook on the first weight and a post-accumulate hook on the second,
+    each recording its call; the handles."""
+    def clip(g):
+        calls.append("clip")
+        return g.clamp(-0.05, 0.05)
+
+    return [model[0].weight.register_hook(clip),
+            model[2].weight.register_post_accumulate_grad_hook(lambda p: calls.append("post"))]
+
+
+def _hooks_kept():
+    ref, calls_ref = _mlp(), []
+    tp, calls_tp = clone(ref), []
+    _hooked(ref, calls_ref)
+    handles = _hooked(tp, calls_tp)
+    tpfn.parallelize(tp, mesh(2), MLP_PLAN)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    ref(x).pow(2).sum().backward()
+    tp(x).pow(2).sum().backward()
+    errors = {n: rel_err(p.grad, dict(ref.named_parameters())[n].grad) for n, p in tp.named_parameters()}
+    clipped = full(tp[0].weight.grad).abs().max().item()
+    for handle in handles:  # the handles register_hook returned still remove the hooks
+        handle.remove()
+    tp.zero_grad()
+    tp(x).pow(2).sum().backward()
+    return errors, calls_ref, calls_tp, clipped, isinstance(tp[0].weight, DTensor)
+
+
+def test_gradient_hooks_registered_before_parallelize_are_kept(ranks2):
+    for errors, calls_ref, calls_tp, clipped, sharded in ranks2.run(_hooks_kept):
+        assert sharded
+        assert max(errors.values()) <= TOL, errors
+        assert calls_ref == calls_tp == ["post", "clip"]  # once each, the one backward only
+        assert clipped == pytest.approx(0.05)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def _hook_on_a_partial_sum():
+    model = _Block()
+    model.norm.weight.register_hook(lambda g: g.clamp(-1, 1))
+    plan = {"norm": sequence_parallel(), "fc": prepare_in(Shard(1), desired=Replicate()) >> colwise()}
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, mesh(2), plan)
+    unchanged = not any(isinstance(p, DTensor) for p in model.parameters())
+    return str(e.value), unchanged
+
+
+def test_a_gradient_hook_on_a_parameter_whose_gradient_is_a_partial_sum_is_refused_by_name(ranks2):
+    for message, unchanged in ranks2.run(_hook_on_a_partial_sum):
+        assert "parameter 'norm.weight' has gradient hooks" in message
+        assert "each rank's partial sum until the end of the backward" in message
+        assert unchanged
+
+
+def _fully_sharded_first():
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp().float()
+    fully_shard(model, mesh=mesh(2))
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, mesh(2), {"0": colwise()})
+    return str(e.value), [tpfn.mounted(m) for m in model.modules()]
+
+
+def test_a_model_fully_shard_already_manages_is_refused_by_name(ranks2):
+    for message, mounted in ranks2.run(_fully_sharded_first):
+        assert "'<root>' (FSDPSequential) is already sharded by fully_shard (FSDP2)" in message, message
+        assert "parallelize the fresh model first, then fully_shard" in message
+        assert mounted == [None] * 4
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.lm_head = nn.Linear(8, 8), nn.Linear(8, 32)
+
+    def forward(self, x):
+        return self.lm_head(torch.tanh(self.body(x)))
+
+
+def test_verify_says_that_the_models_output_stays_a_local_shard():
+    sharded = tpfn.verify(_Head(), {"lm_head": colwise()}, (2, 6, 8),
+                          dtype=torch.float32)
+    assert sharded.ok, str(sharded)  # the numbers agree: each rank's shard is one device's part
+    assert sharded.notes == (
+        "output 0 of the model is each rank's local shard (rank 0: (2, 6, 16) of (2, 6, 32)): a loss "
+        "that takes it as it is (labels=...) sees a part of it; end the plan with "
+        "prepare_out(Replicate()) on the module that makes it, or take the loss with "
+        "tpfn.cross_entropy(..., mesh=mesh) on the shards.",)
+    assert "note: output 0 of the model is each rank's local shard" in str(sharded)
+    whole = tpfn.verify(_Head(), {"lm_head": colwise() >> prepare_out(Replicate())},
+                        (2, 6, 8), dtype=torch.float32)
+    assert whole.ok and whole.notes == (), str(whole)
+
+
+def _odd_vocabulary():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 11)).double()  # 11 classes: 6 and 5
+    tp = tpfn.parallelize(clone(ref), mesh(2), {"2": colwise()})
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    target = torch.tensor([[10, 0, 5, 6, 3], [1, 10, 2, 9, 4]])  # 10: the last class, on rank 1
+    expected = F.cross_entropy(ref(x).flatten(0, 1), target.flatten())
+    expected.backward()
+    logits = tp(x)
+    loss = tpfn.cross_entropy(logits.flatten(0, 1), target.flatten(), mesh=mesh(2))
+    loss.backward()
+    theirs = dict(ref.named_parameters())
+    errors = {n: rel_err(p.grad, theirs[n].grad) for n, p in tp.named_parameters()}
+    return rel_err(loss, expected), errors, tuple(logits.shape)
+
+
+def test_cross_entropy_on_local_logits_of_an_odd_vocabulary_is_one_devices(ranks2):
+    shapes = []
+    for loss, errors, shape in ranks2.run(_odd_vocabulary):
+        assert loss <= TOL and max(errors.values()) <= TOL, (loss, errors)
+        shapes.append(shape)
+    assert shapes == [(2, 5, 6), (2, 5, 5)]
+
+
+def _interrupted_load(path: str):
+    from tpfn.training import pretrained
+
+    torch.manual_seed(0)
+    source = _mlp().float()
+    plan = {"0": colwise(), "2": rowwise()}
+    tpfn.save_pretrained(source, path)  # every rank calls it, rank 0 writes
+    with tpfn.empty_weights():
+        empty = tpfn.parallelize(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)), mesh(2),
+                                 plan, src_rank=None)
+    fill, calls = pretrained._fill, []
+
+    def interrupted(target, value):  # Ctrl-C after two of the four tensors are in
+        calls.append(target)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return fill(target, value)
+
+    pretrained._fill = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tpfn.load_pretrained(empty, path)
+    finally:
+        pretrained._fill = fill
+    still_empty = [p.to_local().is_meta for p in empty.parameters()]
+    tpfn.load_pretrained(empty, path)  # and a second try loads it all
+    errors = {n: rel_err(p, dict(source.named_parameters())[n]) for n, p in empty.named_parameters()}
+    return still_empty, errors
+
+
+def test_an_interrupted_load_leaves_nothing_half_loaded(ranks2, tmp_path):
+    for still_empty, errors in ranks2.run(_interrupted_load, str(tmp_path)):
+        assert still_empty == [True] * 4
+        assert max(errors.values()) == 0, errors
+
+
+def test_a_plan_that_shards_nothing_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tpfn.dryrun import fake_mesh
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    with pytest.raises(PlanError) as e:
+        tpfn.from_hf(gpt2.tp_plan or {}, gpt2)
+    assert "GPT2LMHeadModel: the empty tp_plan shards nothing (the model declares none)" in str(e.value)
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(_mlp(), fake_mesh(2), {})
+    assert "the plan binds no module of Sequential: parallelize would shard nothing" in str(e.value)
