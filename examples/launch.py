@@ -54,4 +54,7 @@ def run(main, nprocs: int, *args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(nprocs, port, main, args), nprocs=nprocs, start_method="spawn")
+    try:
+        mp.start_processes(_worker, args=(nprocs, port, main, args), nprocs=nprocs, start_method="spawn")
+    except mp.ProcessExitedException as e:  # a rank's SystemExit: its message is printed already
+        raise SystemExit(e.exit_code) from None

@@ -197,7 +197,7 @@ def test_an_interrupted_load_leaves_nothing_half_loaded(ranks2, tmp_path):
         assert max(errors.values()) == 0, errors
 
 
-def test_a_plan_that_shards_nothing_is_refused_by_name():
+def test_a_plan_that_shards_nothing_is_never_silent():
     from transformers import GPT2Config, GPT2LMHeadModel
     from tpfn.dryrun import fake_mesh
 
@@ -205,6 +205,25 @@ def test_a_plan_that_shards_nothing_is_refused_by_name():
     with pytest.raises(PlanError) as e:
         tpfn.from_hf(gpt2.tp_plan or {}, gpt2)
     assert "GPT2LMHeadModel: the empty tp_plan shards nothing (the model declares none)" in str(e.value)
-    with pytest.raises(PlanError) as e:
-        tpfn.parallelize(_mlp(), fake_mesh(2), {})
-    assert "the plan binds no module of Sequential: parallelize would shard nothing" in str(e.value)
+    with pytest.warns(UserWarning, match="the plan binds no module of Sequential: parallelize shards nothing"):
+        tpfn.parallelize(_mlp(), fake_mesh(2), {})  # as parallelize_module with no plan, with a word
+
+
+class _RankBranch(nn.Module):
+    """A forward that branches on the rank, as a user's debugging code or a rank-0-only path does."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.down(torch.tanh(self.up(x)))
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            y = y * 2  # rank 1 alone: a real 2-rank run is off, so verify must be too
+        return y
+
+
+def test_verify_sees_a_forward_that_branches_on_the_rank():
+    report = tpfn.verify(_RankBranch(), {"up": colwise(), "down": rowwise()}, (4, 8), dtype=torch.float32)
+    assert not report.ok, str(report)
+    assert report.culprit == "", str(report)  # the root's own code: its children agree

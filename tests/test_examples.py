@@ -34,3 +34,16 @@ def test_the_demo_matches_one_process(ranks2):
     # main() raises SystemExit when the tensor-parallel losses leave the single-process ones.
     ranks2.run(_example, "train_llama", 8, 4, 32, False)
     ranks2.run(_example, "train_llama", 8, 4, 31, True)  # sequence parallel, uneven length
+
+
+def test_the_demo_compares_loss_curves_as_a_user_would():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    compare = __import__("train_llama")._compare
+    single = [5.0 * 0.98 ** i for i in range(300)] + [1e-3, 2e-4]
+    near_zero = single[:-2] + [3e-3, 1e-4]  # 200% apart, but a few thousandths of the first loss
+    assert compare(near_zero, single) is None
+    off_early = [single[0] * 1.01] + single[1:]  # 1% off at the first step
+    assert compare(off_early, single) == "the tensor-parallel run does not match the single-process run"
+    off_late = single[:-1] + [1.0]  # a fifth of the first loss apart at the end
+    assert compare(off_late, single) is not None

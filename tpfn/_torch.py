@@ -399,4 +399,17 @@ def fake_ranks(mesh) -> bool:
 
 __all__ += [
     "node_type", "argument_names", "all_reduced", "parameters_of",
-    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks"]
+    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group"]
+
+
+_SET_ASIDE: list = []  # in a forked child: the caller's process groups, kept and never used
+
+
+def forget_default_group() -> None:
+    """In a forked child: ``torch.distributed`` as if never initialized, so that the child can
+    make its own default group. The caller's groups, copied by the fork, are set aside, never
+    used and never freed (their sockets are the caller's)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    _SET_ASIDE.append(c10d._world)
+    c10d._world = c10d._World()

@@ -2,7 +2,8 @@
 
 ``on_ranks(run, fail, n, timeout=...)`` forks ``n`` children, then hosts a TCP store on a free
 port of 127.0.0.1 and hands each child its port; each child makes a private gloo group and a
-1-D mesh over it (the parent's own default group, if any, is left alone), calls
+1-D mesh over it, and takes a second one as its default group (the parent's, copied by the
+fork, set aside unused: ``dist.get_rank()`` is the child's rank, as under torchrun), calls
 ``run(rank, mesh)`` and sends back its value, or ``fail(rank, exception)`` for a failure, then
 ends with ``os._exit``. Children are forked, not spawned: what ``run`` uses may live in
 ``__main__``, a notebook or a docs page, which a spawned process could not import. They are
@@ -28,7 +29,7 @@ from multiprocessing.connection import Pipe, wait
 import torch
 import torch.distributed as dist
 
-from tpfn._torch import cpu_group, private_mesh
+from tpfn._torch import cpu_group, forget_default_group, private_mesh
 
 __all__ = ["on_ranks"]
 
@@ -40,6 +41,16 @@ def _mesh(store, rank: int, n: int, timeout: float):
     return private_mesh(f"tpfn-ranks-{n}-{uuid.uuid4().hex[:8]}", group, n, rank)
 
 
+def _default_group(store, rank: int, n: int, timeout: float) -> None:
+    """The children's own gloo group as this child's default group, so that a model asking
+    ``torch.distributed.get_rank()`` (or reducing on the default group) sees this rank, as
+    under torchrun; the caller's default group, copied by the fork, is set aside unused."""
+    if dist.is_initialized():
+        forget_default_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("tpfn-world/", store), rank=rank,
+                            world_size=n, timeout=datetime.timedelta(seconds=timeout))
+
+
 def _child(rank: int, n: int, conn, run, fail, timeout: float) -> None:
     """A forked child: the store's port received, one rank's run, its result (or its failure)
     sent back, then exit."""
@@ -48,6 +59,7 @@ def _child(rank: int, n: int, conn, run, fail, timeout: float) -> None:
         port = conn.recv()
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
+        _default_group(store, rank, n, timeout)
         result = ("ok", run(rank, _mesh(store, rank, n, timeout)))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
         result = ("error", fail(rank, exc))

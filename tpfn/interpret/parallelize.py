@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -269,10 +270,10 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
     bound = resolve(plan, module)
-    if not bound:
-        raise PlanError([f"the plan binds no module of {type(module).__name__}: parallelize would shard "
-                         "nothing, and every rank would hold and compute the whole model; give it rules "
-                         "(docs/plans.md), or leave the model unparallelized to run it whole on purpose."])
+    if not bound:  # as parallelize_module with no plan: the module as it is, with a word
+        warnings.warn(f"the plan binds no module of {type(module).__name__}: parallelize shards nothing, "
+                      "and every rank holds and computes the whole model; give it rules (docs/plans.md).",
+                      stacklevel=2)
     modules = dict(module.named_modules())
     found = [f"{describe(modules[m.fqn], m.fqn)} is already parallelized "
              f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
