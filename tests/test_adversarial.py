@@ -227,3 +227,113 @@ def test_verify_sees_a_forward_that_branches_on_the_rank():
     report = tpfn.verify(_RankBranch(), {"up": colwise(), "down": rowwise()}, (4, 8), dtype=torch.float32)
     assert not report.ok, str(report)
     assert report.culprit == "", str(report)  # the root's own code: its children agree
+
+
+def test_a_shard_dim_a_parameter_lacks_is_refused_by_name_before_anything_changes():
+    from tpfn import on_shards, params
+    from tpfn.dryrun import fake_mesh
+
+    model = _mlp()
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, fake_mesh(2), {"0": params(weight=Shard(0), bias=Shard(1)) >> on_shards(Replicate())})
+    assert "parameter '0.bias' has 1 dim (shape (16,)), so it cannot be Shard(dim=1)" in str(e.value)
+    assert "shard a dim in [-1, 0], or Replicate() it" in str(e.value)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_a_shard_dim_an_input_lacks_is_named_by_its_slot():
+    from tpfn.dryrun import fake_mesh
+    from tpfn.errors import LayoutError
+
+    model = tpfn.parallelize(nn.Sequential(nn.LayerNorm(4)), fake_mesh(2), {"0": sequence_parallel(dim=5)},
+                             src_rank=None)
+    with pytest.raises(LayoutError, match=r"^input 0 of '0' \(LayerNorm\) has 3 dims \(shape \(2, 3, 4\)\), "
+                                          r"so it cannot be Shard\(dim=5\); lay it out on a dim in \[-3, 2\]"):
+        model(torch.randn(2, 3, 4))
+
+
+def _fake_mlp():
+    from tpfn.dryrun import fake_mesh
+
+    return tpfn.parallelize(_mlp().float(), fake_mesh(2), MLP_PLAN, src_rank=None)
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection")
+def test_modes_that_cannot_run_on_dtensor_parameters_are_refused_by_name():
+    model, x = _fake_mlp(), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match=r"^'<root>' \(Sequential\): torch\.autograd\.detect_anomaly\(\) "
+                                           r"checks every gradient with aten\._is_any_true"):
+        with torch.autograd.detect_anomaly():
+            model(x)
+    params = dict(model.named_parameters())
+    with pytest.raises(RuntimeError, match=r"torch\.func transforms \(grad, vmap, jacrev, \.\.\.\) do not run "
+                                           r"through DTensor parameters; take gradients with torch\.autograd"):
+        torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+
+
+def test_bare_torch_errors_inside_a_bound_module_name_it_and_the_likely_cause():
+    from tpfn import params
+    from tpfn.dryrun import fake_mesh
+
+    with pytest.raises(TypeError, match=r"^input 0 of '0' \(Linear\) is None, but colwise\(\) computes on it "
+                                        r"\(Replicate\(\)\); pass it a tensor\.$"):
+        _fake_mlp()[0](None)
+    alone = tpfn.parallelize(nn.Sequential(nn.Linear(4, 8)), fake_mesh(2), {"0": params(weight=Shard(0))},
+                             src_rank=None)
+    with pytest.raises(RuntimeError, match=r"^'0' \(Linear\): aten\.addmm\.default got mixed torch\.Tensor "
+                                           r"and DTensor.* params\(weight=Shard\(dim=0\)\) makes its parameters "
+                                           r"DTensors, and its forward met plain tensors"):
+        alone(torch.randn(2, 4))
+    whole = tpfn.parallelize(nn.Sequential(nn.Linear(8, 4)), fake_mesh(2), {"0": rowwise()}, src_rank=None)
+    with pytest.raises(RuntimeError, match=r"^'0' \(Linear\): mat1 and mat2 shapes cannot be multiplied "
+                                           r"\(2x8 and 4x4\)\. Its input 0, of shape \(2, 8\) on this rank, is "
+                                           r"taken to be laid out Shard\(dim=-1\) \(rowwise\(\)\); one that "
+                                           r"arrives whole says so: prepare_in\(Replicate\(\), "
+                                           r"desired=Shard\(-1\)\) >> rowwise\(\)\.$"):
+        whole(torch.randn(2, 8))
+
+
+def test_modules_whose_style_could_never_run_are_refused_by_name():
+    from tpfn.dryrun import fake_mesh
+
+    lazy = nn.Sequential(nn.LazyLinear(8))
+    with pytest.raises(PlanError, match=r"'0' \(LazyLinear\) has uninitialized parameters \(weight, bias: a "
+                                        r"lazy module\); run one forward with a real batch first"):
+        tpfn.parallelize(lazy, fake_mesh(2), {"0": colwise()}, src_rank=None)
+    attention = nn.Sequential(nn.MultiheadAttention(8, 2))
+    with pytest.raises(PlanError, match=r"'0\.out_proj' \(NonDynamicallyQuantizableLinear\) is "
+                                        r"nn\.MultiheadAttention's out_proj, .* so rowwise\(\) would never run; "
+                                        r"bind the MultiheadAttention '0' itself"):
+        tpfn.parallelize(attention, fake_mesh(2), {"0.out_proj": rowwise()}, src_rank=None)
+    assert not any(isinstance(p, DTensor) for p in attention.parameters())
+
+
+def test_clip_grad_norm_refuses_a_norm_type_that_is_no_norm():
+    model = _mlp()
+    model(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match=r"^clip_grad_norm_: 'norm_type' must be a positive number or inf "
+                                         r"\(got 0\)"):
+        tpfn.clip_grad_norm_(model.parameters(), 1.0, norm_type=0)
+
+
+def _cross_entropy_targets():
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Replicate as R, Shard as S
+
+    logits = distribute_tensor(torch.randn(6, 10), mesh(2), [S(1)])
+    found = []
+    for target in (distribute_tensor(torch.randint(0, 10, (6,)), mesh(2), [R()]), torch.randint(0, 10, (4,))):
+        try:
+            tpfn.cross_entropy(logits, target)
+        except (TypeError, ValueError) as e:
+            found.append(f"{type(e).__name__}: {e}")
+    return found
+
+
+def test_cross_entropy_names_a_dtensor_target_and_a_count_that_differs(ranks2):
+    for found in ranks2.run(_cross_entropy_targets):
+        assert found == [
+            "TypeError: cross_entropy: 'target' must be a plain tensor of class indices, the same on every "
+            "rank (got a DTensor laid out (Replicate(),)); pass target.full_tensor().",
+            "ValueError: cross_entropy: 'target' must hold one class index per row of the logits, shape (6,) "
+            "(got (4,)); flatten both alike: logits.flatten(0, -2) and target.flatten()."]

@@ -129,7 +129,7 @@ PURE = [
     ("plan key empty component", lambda: plan({"layers..w1": colwise()}), ValueError,
      exact("plan key 'layers..w1' has an empty name component; write e.g. 'layers.*.w1'.")),
     ("plan value not a style", lambda: plan({"w1": "colwise"}), TypeError,
-     r"^plan\['w1'\] must be a style .* \(got 'colwise' that is a <class 'str'>\)\.$"),
+     r"^plan\['w1'\] is the string 'colwise', not a tpfn style; .* tpfn\.from_hf\(tp_plan, model\)\.$"),
     ("plan not a dict", lambda: plan(["w1"]), TypeError,
      exact("a plan is built from a dict of pattern -> style (got ['w1']).")),
     ("plans conflict", lambda: plan({"w": colwise()}) | {"w": rowwise()}, PlanError,

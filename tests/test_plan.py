@@ -53,8 +53,17 @@ def test_nesting_and_merging():
     ({"layers..w1": colwise()}, ValueError,
      "plan key 'layers..w1' has an empty name component; write e.g. 'layers.*.w1'."),
     ({"w1": "colwise"}, TypeError,
+     "plan['w1'] is the string 'colwise', not a tpfn style; a Hugging Face tp_plan (strings such "
+     "as 'colwise') converts whole with tpfn.from_hf(tp_plan, model)."),
+    ({"w1": colwise}, TypeError, "plan['w1'] is the function colwise, not a style: call it, colwise()."),
+    ({"w1": 3}, TypeError,
      "plan['w1'] must be a style (colwise(), rowwise(), prepare_in(...), ...) or a nested plan "
-     "(got 'colwise' that is a <class 'str'>)."),
+     "(got 3 that is a <class 'int'>)."),
+    ({"w1": "colwise", "w2": rowwise(), "w3": colwise}, TypeError,
+     "2 plan values are not styles:\n"
+     "  - plan['w1'] is the string 'colwise', not a tpfn style; a Hugging Face tp_plan (strings such "
+     "as 'colwise') converts whole with tpfn.from_hf(tp_plan, model).\n"
+     "  - plan['w3'] is the function colwise, not a style: call it, colwise()."),
     (["w1"], TypeError, "a plan is built from a dict of pattern -> style (got ['w1'])."),
 ])
 def test_malformed_plans_are_rejected_when_built(bad, error, message):

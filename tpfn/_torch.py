@@ -399,7 +399,21 @@ def fake_ranks(mesh) -> bool:
 
 __all__ += [
     "node_type", "argument_names", "all_reduced", "parameters_of",
-    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group"]
+    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
+
+
+def unsupported_mode() -> str | None:
+    """Why a parallelized module cannot run in the mode torch is in now (what to do instead),
+    or None: ``detect_anomaly`` (its check of every gradient is an op DTensor has no sharding
+    rule for) and ``torch.func`` transforms (they do not run through DTensor parameters)."""
+    if torch.is_anomaly_enabled():
+        return ("torch.autograd.detect_anomaly() checks every gradient with aten._is_any_true, which "
+                "DTensor has no sharding rule for; find the NaN on one device (the model unparallelized), "
+                "or with tpfn.verify, which names the first module whose numbers differ.")
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return ("torch.func transforms (grad, vmap, jacrev, ...) do not run through DTensor parameters; "
+                "take gradients with torch.autograd (loss.backward() or torch.autograd.grad).")
+    return None
 
 
 _SET_ASIDE: list = []  # in a forked child: the caller's process groups, kept and never used

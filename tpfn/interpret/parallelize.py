@@ -25,22 +25,22 @@ import warnings
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import buffers_of, current_mesh, gradient_hooks, move_gradient_hooks, parameters_of
+from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
 from tpfn.algebra import cotangent
-from tpfn.errors import PlanError
+from tpfn.errors import PlanError, module_error
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
 from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, placed_tensor, shard_params,
                                     unpackable)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.kernels import KERNELS, Group
-from tpfn.layout import Partial, Replicate, from_torch
+from tpfn.layout import Partial, Replicate, Shard, from_torch
 from tpfn.plans.mount import Mount
 from tpfn.plans.plan import Plan, resolve
+from tpfn.plans.refusals import refusals
 from tpfn.style.style import Style
 
 __all__ = ["parallelize", "mounted", "runtime", "Runtime"]
@@ -80,21 +80,28 @@ class Runtime:
         self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
 
     def __call__(self, *args, **kwargs):
+        if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:
+            raise RuntimeError(f"{self.mount.where}: {refused}")
         if self.watch is not None:
             for i, name in enumerate(self.mount.names or range(len(args))):
                 self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
             for name, _ in self.mount.inputs.kwargs:
                 self.watch(f"input {name!r}", kwargs.get(name))
         group = None if torch.compiler.is_compiling() else self.ctx.group
-        if group is None:
-            output, shape = self._compute(args, kwargs)
-        else:  # its replicas' readers: whether they may leave their gradients partial, as it ends
-            group.open()
-            output = None
-            try:
+        try:
+            if group is None:
                 output, shape = self._compute(args, kwargs)
-            finally:
-                group.close(output)
+            else:  # its replicas' readers: whether they may leave their gradients partial, as it ends
+                group.open()
+                output = None
+                try:
+                    output, shape = self._compute(args, kwargs)
+                finally:
+                    group.close(output)
+        except RuntimeError as error:  # torch's bare error: the module and the likely cause named
+            if (named := module_error(error, self.mount, self._first(args, kwargs))) is not None:
+                raise named from error
+            raise
         if self.arms and torch.is_grad_enabled():
             self.state.partial_grads.arm(output)
         return self._outputs(output, shape)
@@ -108,6 +115,9 @@ class Runtime:
                 self.starts(args, kwargs)
             return self.forward(*args, **kwargs), None
         first, shape = self._first(args, kwargs), None
+        if first is None and mount.inputs.slots and not mount.inputs.slots[0].untouched:
+            raise TypeError(f"input 0 of {mount.where} is None, but {mount.style!r} computes on it "
+                            f"({mount.inputs.slots[0].out!r}); pass it a tensor.")
         if isinstance(first, torch.Tensor) and mount.inputs.slots and not mount.inputs.slots[0].untouched:
             shape = global_shape(first, mount.inputs.slots[0], mesh, self.state.shapes,
                                  f"input 0 of {mount.where}", exact=kernel.random == "slice")
@@ -211,6 +221,8 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
         sub = modules[mount.fqn]
         for name, placement in mount.params:
             param, full = placed_tensor(sub, name), join(mount.fqn, name)
+            if isinstance(param, nn.parameter.UninitializedParameter):  # (refused: _unrunnable)
+                continue
             if id(param) in by_param:
                 first, placed, first_style = by_param[id(param)]
                 if placed != placement:
@@ -219,6 +231,12 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
                                  "has one layout, so give both modules styles that agree.")
                 continue
             by_param[id(param)] = (full, placement, mount.style)
+            if isinstance(placement, Shard) and not -param.dim() <= placement.dim < param.dim():
+                found.append(f"parameter {full!r} has {param.dim()} dim{'s' * (param.dim() != 1)} "
+                             f"(shape {tuple(param.shape)}), so it cannot be {placement!r} "
+                             f"({mount.style!r} at {describe(sub, mount.fqn)}); shard a dim in "
+                             f"[{-param.dim()}, {param.dim() - 1}], or Replicate() it.")
+                continue
             problem = unpackable(full, param.shape, placement, n)
             if problem:
                 found.append(f"{problem[:-1]} ({mount.style!r} at {describe(sub, mount.fqn)}).")
@@ -282,7 +300,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     fits = [(m, m.kernel.fits(modules[m.fqn], mesh.size())) for m in bound
             if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
-    found += _fully_sharded(modules) + _hooks_on_partial_sums(modules, bound)
+    found += refusals(modules, bound)
     if found + tied:
         raise PlanError(found + tied)
 
@@ -315,35 +333,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for reader in readers:
                 reader.group = owner.ctx.group
     return module
-
-
-def _fully_sharded(modules: dict) -> list:
-    """The problem of a model that ``fully_shard`` (FSDP2) already manages: its all-gathers
-    would hand the bound modules whole parameters where they compute on shards."""
-    fsdp = [fqn for fqn, sub in modules.items() if isinstance(sub, FSDPModule)]
-    if not fsdp:
-        return []
-    names = ", ".join(describe(modules[f], f) for f in fsdp[:3]) + (", ..." if len(fsdp) > 3 else "")
-    return [f"{names} {'is' if len(fsdp) == 1 else 'are'} already sharded by fully_shard (FSDP2): "
-            "its all-gathers would hand the bound modules "
-            "whole parameters; parallelize the fresh model first, then fully_shard it on the "
-            "data-parallel mesh (docs/training.md)."]
-
-
-def _hooks_on_partial_sums(modules: dict, bound) -> list:
-    """The problems of gradient hooks on parameters whose gradients are partial sums until the
-    end of the backward (a hook would see one rank's terms, not the gradient)."""
-    found = []
-    for m in bound:
-        for name, layout in (m.kernel.grads if m.kernel else ()):
-            param = placed_tensor(modules[m.fqn], name)
-            if isinstance(layout, Partial) and gradient_hooks(param):
-                found.append(
-                    f"parameter {join(m.fqn, name)!r} has gradient hooks (register_hook or "
-                    "register_post_accumulate_grad_hook), but under this plan its gradient is each "
-                    "rank's partial sum until the end of the backward, so a hook would see one rank's "
-                    "terms: remove them, and change the summed .grad after backward() instead.")
-    return found
 
 
 def _reads_replica(rt: Runtime) -> bool:

@@ -217,6 +217,7 @@ def global_shape(x, slot, mesh, shapes: Shapes, what: str, *, exact: bool = Fals
     (``tpfn.interpret.agree``), or all raise the same ``LayoutError``."""
     if isinstance(x, DTensor):
         return tuple(x.shape)
+    slot.fit(x, what)
     given = placements(slot.source, x.ndim)
     exact = exact or given != placements(slot.out, x.ndim)
     return shapes.recall(x, given, mesh, what, exact)
@@ -231,6 +232,8 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     if x is None or slot.untouched:
         return x
     src = slot.source
+    if isinstance(x, torch.Tensor):
+        slot.fit(x, what)
     if isinstance(x, DTensor):
         dt = checked(x, slot, mesh, what)
         if local and group is not None and placements(slot.out, x.ndim)[0].is_replicate():

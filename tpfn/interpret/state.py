@@ -216,12 +216,8 @@ class PartialGrads:
         afresh each time, so what replaces it (``Module._apply``, ``to_empty``,
         ``load_state_dict(assign=True)``) is watched in its place. The parameter is armed too
         if it requires grad (compiled code arms no output; a swap loses that hook)."""
-        if isinstance(module, torch.Tensor):  # transitional: watch(param, fqn), until parallelize
-            param, fqn = module, name         # passes the module
-            lookup = lambda: param  # noqa: E731
-        else:
-            lookup = functools.partial(_parameter, weakref.ref(module), name)
-            fqn = name if fqn is None else fqn
+        lookup = functools.partial(_parameter, weakref.ref(module), name)
+        fqn = name if fqn is None else fqn
         self.watched.append((lookup, fqn))
         param = lookup()
         if param is not None and param.requires_grad:

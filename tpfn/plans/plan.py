@@ -73,7 +73,10 @@ def _check_pattern(pattern) -> str:
     return pattern
 
 
-def _flatten(mapping, prefix: str = "") -> list:
+def _flatten(mapping, prefix: str = "", found: list | None = None) -> list:
+    """``(pattern, style)`` of every rule, nested plans joined; every value that is no style is
+    one problem of one ``TypeError`` (a plan of transformers' strings, a constructor uncalled)."""
+    top, found = found is None, [] if found is None else found
     if isinstance(mapping, Plan):
         mapping = dict(mapping.rules)
     if not isinstance(mapping, dict):
@@ -82,16 +85,28 @@ def _flatten(mapping, prefix: str = "") -> list:
     for pattern, value in mapping.items():
         key = join(prefix, _check_pattern(pattern))
         if isinstance(value, (dict, Plan)):
-            out.extend(_flatten(value, key))
+            out.extend(_flatten(value, key, found))
         elif isinstance(value, Style):
             out.append((key, value))
-        elif type(value).__module__.startswith("torch.distributed.tensor.parallel"):
-            raise TypeError(f"plan[{pattern!r}] is PyTorch's {type(value).__name__}(...), not a tpfn style; "
-                            "convert the whole plan with tpfn.from_torch(plan), which keeps its meaning.")
         else:
-            raise TypeError(f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) "
-                            f"or a nested plan (got {value!r} that is a {type(value)!r}).")
+            found.append(_not_a_style(pattern, value))
+    if top and found:
+        raise TypeError(found[0] if len(found) == 1 else
+                        f"{len(found)} plan values are not styles:\n" + "\n".join(f"  - {f}" for f in found))
     return out
+
+
+def _not_a_style(pattern: str, value) -> str:
+    if type(value).__module__.startswith("torch.distributed.tensor.parallel"):
+        return (f"plan[{pattern!r}] is PyTorch's {type(value).__name__}(...), not a tpfn style; "
+                "convert the whole plan with tpfn.from_torch(plan), which keeps its meaning.")
+    if isinstance(value, str):
+        return (f"plan[{pattern!r}] is the string {value!r}, not a tpfn style; a Hugging Face tp_plan "
+                "(strings such as 'colwise') converts whole with tpfn.from_hf(tp_plan, model).")
+    if callable(value) and getattr(value, "__module__", "").startswith("tpfn.style"):
+        return f"plan[{pattern!r}] is the function {value.__name__}, not a style: call it, {value.__name__}()."
+    return (f"plan[{pattern!r}] must be a style (colwise(), rowwise(), prepare_in(...), ...) "
+            f"or a nested plan (got {value!r} that is a {type(value)!r}).")
 
 
 def _merge(rules, fix: str = "") -> tuple:

@@ -11,7 +11,7 @@ import itertools
 
 import attrs
 
-from tpfn.errors import StyleError
+from tpfn.errors import LayoutError, StyleError
 from tpfn.layout import Shard
 
 __all__ = ["Slot", "fold", "fold_named"]
@@ -52,6 +52,14 @@ class Slot:
     def out(self):
         """The layout after this slot (None: untouched)."""
         return self.given if self.desired is None else self.desired
+
+    def fit(self, x, what: str) -> None:
+        """Refuse, by the slot's name ``what``, a layout whose shard dim the tensor ``x`` lacks."""
+        for layout in (self.given, self.desired):
+            if isinstance(layout, Shard) and not -x.ndim <= layout.dim < x.ndim:
+                raise LayoutError(f"{what} has {x.ndim} dim{'s' * (x.ndim != 1)} (shape {tuple(x.shape)}), so "
+                                  f"it cannot be {layout!r}; lay it out on a dim in [{-x.ndim}, {x.ndim - 1}] "
+                                  "(sequence_parallel(dim=...), Shard(...)), or hand it on with that many dims.")
 
     @property
     def untouched(self) -> bool:

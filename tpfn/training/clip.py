@@ -71,6 +71,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     >>> torch.allclose(clip_grad_norm_(layer.parameters(), 1.0), expected)
     True
     """
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: 'norm_type' must be a positive number or inf (got {norm_type!r}); "
+                         "the sum of |g| ** p over shards is a p-norm for p > 0 only: use 2.0, 1.0 or inf.")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]

@@ -108,6 +108,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"cross_entropy: 'reduction' must be 'mean', 'sum' or 'none' (got {reduction!r}).")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: 'label_smoothing' must lie in [0, 1] (got {label_smoothing!r}).")
+    if isinstance(target, DTensor):
+        raise TypeError("cross_entropy: 'target' must be a plain tensor of class indices, the same on every "
+                        f"rank (got a DTensor laid out {from_torch(target.placements)}); pass target.full_tensor().")
     if target.is_floating_point():
         raise ValueError("cross_entropy: target must hold class indices; class probabilities would "
                          "have to be sharded like the logits, which tpfn does not do.")
@@ -135,6 +138,11 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     assert_async(((target >= 0) & (target < n_classes) | ~kept).all(),
                  f"cross_entropy: a target lies outside the {n_classes} classes (and is not "
                  f"ignore_index={ignore_index})")
+    rows = tuple(x.shape[:class_dim]) + tuple(x.shape[class_dim + 1:])
+    if tuple(target.shape) != rows:
+        raise ValueError(f"cross_entropy: 'target' must hold one class index per row of the logits, shape "
+                         f"{rows} (got {tuple(target.shape)}); flatten both alike: logits.flatten(0, -2) "
+                         "and target.flatten().")
     x = x.movedim(class_dim, -1)
     offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())
     losses = _VocabParallelCrossEntropy.apply(

@@ -1,0 +1,75 @@
+"""What ``parallelize`` refuses of a model before anything changes, beyond each style's own
+problems (``tpfn.plans.mount.problems``): a model ``fully_shard`` already manages, modules whose
+style would never run (a lazy module's uninitialized parameters, ``nn.MultiheadAttention``'s
+``out_proj``), and gradient hooks that would see one rank's partial sums.
+
+>>> import torch.nn as nn, tpfn
+>>> model = nn.Sequential(nn.LayerNorm(4))
+>>> _ = model[0].weight.register_hook(lambda g: g.clamp(-1, 1))
+>>> bound = tpfn.resolve({"0": tpfn.sequence_parallel()}, model)
+>>> print(refusals(dict(model.named_modules()), bound)[0][:82])
+parameter '0.weight' has gradient hooks (register_hook or register_post_accumulate
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from tpfn._fqn import describe, join
+from tpfn._torch import gradient_hooks, parameter
+from tpfn.layout import Partial
+
+__all__ = ["refusals"]
+
+
+def refusals(modules: dict, bound: tuple) -> list:
+    """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
+    every bound module in ``bound``, one line each."""
+    return _fully_sharded(modules) + _unrunnable(modules, bound) + _hooks_on_partial_sums(modules, bound)
+
+
+def _fully_sharded(modules: dict) -> list:
+    """FSDP2 first: its all-gathers would hand the bound modules whole parameters."""
+    fsdp = [fqn for fqn, sub in modules.items() if isinstance(sub, FSDPModule)]
+    if not fsdp:
+        return []
+    names = ", ".join(describe(modules[f], f) for f in fsdp[:3]) + (", ..." if len(fsdp) > 3 else "")
+    return [f"{names} {'is' if len(fsdp) == 1 else 'are'} already sharded by fully_shard (FSDP2): "
+            "its all-gathers would hand the bound modules whole parameters; parallelize the fresh "
+            "model first, then fully_shard it on the data-parallel mesh (docs/training.md)."]
+
+
+def _unrunnable(modules: dict, bound) -> list:
+    """Bound modules whose style would never run, or could not place their parameters."""
+    found = []
+    for m in bound:
+        sub, owner = modules[m.fqn], m.fqn.rpartition(".")[0]
+        lazy = [n for n, p in sub.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            found.append(f"{describe(sub, m.fqn)} has uninitialized parameters ({', '.join(lazy)}: a lazy "
+                         "module); run one forward with a real batch first, so that they have their "
+                         "shapes, then parallelize.")
+        parent = modules.get(owner) if m.fqn else None
+        if isinstance(parent, nn.MultiheadAttention) and m.fqn.rpartition(".")[2] == "out_proj" \
+                and all(b.fqn != owner for b in bound):  # (bound too: its own style says so)
+            found.append(f"{describe(sub, m.fqn)} is nn.MultiheadAttention's out_proj, whose weights "
+                         f"{describe(parent, owner)}'s forward reads directly, never calling it, so "
+                         f"{m.style!r} would never run; bind the MultiheadAttention {owner!r} itself "
+                         "(colwise() shards its heads).")
+    return found
+
+
+def _hooks_on_partial_sums(modules: dict, bound) -> list:
+    """Gradient hooks on parameters whose gradients are partial sums until the end of the
+    backward: a hook would see one rank's terms, not the gradient."""
+    found = []
+    for m in bound:
+        for name, layout in (m.kernel.grads if m.kernel else ()):
+            if isinstance(layout, Partial) and gradient_hooks(parameter(modules[m.fqn], name)):
+                found.append(
+                    f"parameter {join(m.fqn, name)!r} has gradient hooks (register_hook or "
+                    "register_post_accumulate_grad_hook), but under this plan its gradient is each "
+                    "rank's partial sum until the end of the backward, so a hook would see one rank's "
+                    "terms: remove them, and change the summed .grad after backward() instead.")
+    return found
