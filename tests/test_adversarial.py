@@ -307,6 +307,19 @@ def test_modules_whose_style_could_never_run_are_refused_by_name():
         tpfn.parallelize(attention, fake_mesh(2), {"0.out_proj": rowwise()}, src_rank=None)
     assert not any(isinstance(p, DTensor) for p in attention.parameters())
 
+    class LoRALinear(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 8)
+            self.a, self.b = nn.Linear(4, 2, bias=False), nn.Linear(2, 8, bias=False)
+
+        def forward(self, x):
+            return super().forward(x) + self.b(self.a(x))
+
+    with pytest.raises(PlanError, match=r"'0' \(LoRALinear\) is an nn\.Linear with a forward of its own and "
+                                        r"submodules that compute \(a, b\): colwise\(\) shards nn\.Linear's "
+                                        r"own weight, which they would meet in shards; bind the submodules"):
+        tpfn.parallelize(nn.Sequential(LoRALinear()), fake_mesh(2), {"0": colwise()}, src_rank=None)
+
 
 def test_clip_grad_norm_refuses_a_norm_type_that_is_no_norm():
     model = _mlp()

@@ -41,28 +41,29 @@ class ModuleError(RuntimeError):
     """torch's error from a bound module's computation, with the module and the likely cause named."""
 
 
-def module_error(error: Exception, mount, first) -> ModuleError | None:
-    """torch's bare ``error`` from the computation of a bound module (its ``Mount``; ``first``:
-    its input 0), with the module and the likely cause named; None for an error that says
-    enough, or one this cannot place.
+def module_error(error: Exception, mount, module, first) -> ModuleError | None:
+    """torch's bare ``error`` from the computation of the bound ``module`` (its ``Mount``;
+    ``first``: its input 0), with the module and the likely cause named; None for an error that
+    says enough, or one this cannot place (a module with submodules: one of them may have
+    raised it, and ``tpfn.explain`` names which).
 
     >>> import torch, tpfn
     >>> bare = RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x8 and 4x4)")
-    >>> (mount,) = tpfn.resolve({"0": tpfn.rowwise()}, torch.nn.Sequential(torch.nn.Linear(4, 4)))
-    >>> print(module_error(bare, mount, torch.ones(2, 8)))
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    >>> (mount,) = tpfn.resolve({"0": tpfn.rowwise()}, model)
+    >>> print(module_error(bare, mount, model[0], torch.ones(2, 8)))
     '0' (Linear): mat1 and mat2 shapes cannot be multiplied (2x8 and 4x4). Its input 0, of shape (2, 8) on this rank, is taken to be laid out Shard(dim=-1) (rowwise()); one that arrives whole says so: prepare_in(Replicate(), desired=Shard(-1)) >> rowwise().
     """
     message = str(error).splitlines()[0] if str(error) else ""
     where, style, slots = mount.where, mount.style, mount.inputs.slots
     source = slots[0].source if slots else None
-    if type(error) is not RuntimeError:  # tpfn's own errors name their module; so does a ModuleError
-        return None
+    if type(error) is not RuntimeError or next(module.children(), None) is not None:
+        return None  # (tpfn's own errors name their module; so does a ModuleError)
     if "got mixed torch.Tensor and DTensor" in message:
         return ModuleError(
             f"{where}: {message} {style!r} makes its parameters DTensors, and its forward met plain "
-            "tensors: inputs its style leaves alone, or submodules of its own (an nn.Linear subclass "
-            "with LoRA adapters) that no style shards; lay its inputs out (prepare_in(Replicate()) for "
-            "DTensors, on_shards(...) for local shards), or bind the submodules that compute (docs/styles.md).")
+            "tensors its style leaves alone; lay its inputs out (prepare_in(Replicate()) for DTensors, "
+            "on_shards(...) for local shards; docs/styles.md).")
     if "shapes cannot be multiplied" in message and hasattr(first, "shape") and source is not None:
         return ModuleError(
             f"{where}: {message}. Its input 0, of shape {tuple(first.shape)} on this rank, is taken to "

@@ -99,7 +99,7 @@ class Runtime:
                 finally:
                     group.close(output)
         except RuntimeError as error:  # torch's bare error: the module and the likely cause named
-            if (named := module_error(error, self.mount, self._first(args, kwargs))) is not None:
+            if (named := module_error(error, self.mount, self.module, self._first(args, kwargs))) is not None:
                 raise named from error
             raise
         if self.arms and torch.is_grad_enabled():

@@ -1,7 +1,8 @@
 """What ``parallelize`` refuses of a model before anything changes, beyond each style's own
 problems (``tpfn.plans.mount.problems``): a model ``fully_shard`` already manages, modules whose
-style would never run (a lazy module's uninitialized parameters, ``nn.MultiheadAttention``'s
-``out_proj``), and gradient hooks that would see one rank's partial sums.
+style would never run or could not place them (a lazy module's uninitialized parameters,
+``nn.MultiheadAttention``'s ``out_proj``, an ``nn.Linear`` subclass with LoRA adapters of its
+own), and gradient hooks that would see one rank's partial sums.
 
 >>> import torch.nn as nn, tpfn
 >>> model = nn.Sequential(nn.LayerNorm(4))
@@ -50,6 +51,15 @@ def _unrunnable(modules: dict, bound) -> list:
             found.append(f"{describe(sub, m.fqn)} has uninitialized parameters ({', '.join(lazy)}: a lazy "
                          "module); run one forward with a real batch first, so that they have their "
                          "shapes, then parallelize.")
+        base = next((k for k in (nn.Linear, nn.Embedding) if isinstance(sub, k)), None)
+        computing = [n for n, c in sub.named_children() if any(True for _ in c.parameters())
+                     and all(b.fqn != join(m.fqn, n) for b in bound)]
+        if base is not None and m.params and m.kernel is None and type(sub).forward is not base.forward \
+                and computing:  # its own forward on DTensors, its adapters' plain weights
+            found.append(f"{describe(sub, m.fqn)} is an nn.{base.__name__} with a forward of its own and "
+                         f"submodules that compute ({', '.join(computing)}): {m.style!r} shards "
+                         f"nn.{base.__name__}'s own weight, which they would meet in shards; bind the "
+                         "submodules instead, or describe it with params(...) >> on_shards(...) (docs/styles.md).")
         parent = modules.get(owner) if m.fqn else None
         if isinstance(parent, nn.MultiheadAttention) and m.fqn.rpartition(".")[2] == "out_proj" \
                 and all(b.fqn != owner for b in bound):  # (bound too: its own style says so)
