@@ -297,8 +297,9 @@ def _mine(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t
 
 
-def _differences(mine: _Seen, theirs: _Seen, stricter: bool = False) -> dict:
-    """What ``mine`` saw that one device did not (key -> description); ``stricter``: a refusal
+def _differences(mine: _Seen, theirs: _Seen, stricter: bool = False, parallel: bool = False) -> dict:
+    """What ``mine`` saw that one device did not (key -> description; ``parallel``: ``theirs``
+    is another parallelized run, its tensors this rank's pieces already); ``stricter``: a refusal
     of the backward through a parameter stepped in place is taken where one device runs (the
     reference route checks every parameter whose gradient it computes; one device, only those an
     op saved: a linear's weight where its input needs a gradient)."""
@@ -321,7 +322,7 @@ def _differences(mine: _Seen, theirs: _Seen, stricter: bool = False) -> dict:
             if any(tensors) or a != b:
                 found[key] = f"{'a tensor' if tensors[0] else a}; one device: {'a tensor' if tensors[1] else b}"
             continue
-        b = _mine(b, layout)
+        b = b if parallel else _mine(b, layout)
         if a.shape != b.shape:
             found[key] = f"shape {tuple(a.shape)}; one device: {tuple(b.shape)}"
             continue
@@ -337,9 +338,14 @@ def _three_ways(d: dict) -> dict:
     parameter stepped in place where it computes that parameter's gradient only (its local view
     is the parameter's local tensor, whose version a DTensor's in-place op leaves alone:
     docs/semantics.md), so a run that steps a frozen parameter, or differentiates only up to an
-    intermediate, is compared for the kernels alone."""
+    intermediate, is compared for the kernels alone. A norm has no kernel: under kernels=True it
+    takes the reference route too, with the same limits, so there the kernels are compared with
+    the reference route."""
     theirs = _run(d, None)
     stepped = {t for kind, t in d["observers"] if kind == "step"}
+    norms = {name for name in stepped if name.startswith("norm.")}
+    if norms and (norms & set(d["frozen"]) or d["loss"][0] == "grad"):
+        return {"reference": {}, "kernels": _differences(_run(d, True), _run(d, False), parallel=True)}
     if stepped and (stepped & set(d["frozen"]) or d["loss"][0] == "grad"):
         return {"reference": {}, "kernels": _differences(_run(d, True), theirs)}
     return {"reference": _differences(_run(d, False), theirs, stricter=True),
