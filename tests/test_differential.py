@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpfn
-from tests.models import clone, full
+from tests.models import full
 from tests.ranks import mesh
 from tpfn import Replicate, Shard, colwise, prepare_in, prepare_out, rowwise, sequence_parallel
 

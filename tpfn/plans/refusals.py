@@ -52,10 +52,10 @@ def _unrunnable(modules: dict, bound) -> list:
                          "module); run one forward with a real batch first, so that they have their "
                          "shapes, then parallelize.")
         base = next((k for k in (nn.Linear, nn.Embedding) if isinstance(sub, k)), None)
+        own = base is not None and m.params and m.kernel is None and type(sub).forward is not base.forward
         computing = [n for n, c in sub.named_children() if any(True for _ in c.parameters())
-                     and all(b.fqn != join(m.fqn, n) for b in bound)]
-        if base is not None and m.params and m.kernel is None and type(sub).forward is not base.forward \
-                and computing:  # its own forward on DTensors, its adapters' plain weights
+                     and all(b.fqn != join(m.fqn, n) for b in bound)] if own else []
+        if computing:  # its own forward on DTensors, its adapters' plain weights
             found.append(f"{describe(sub, m.fqn)} is an nn.{base.__name__} with a forward of its own and "
                          f"submodules that compute ({', '.join(computing)}): {m.style!r} shards "
                          f"nn.{base.__name__}'s own weight, which they would meet in shards; bind the "
