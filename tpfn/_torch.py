@@ -35,7 +35,8 @@ __all__ = [
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
     "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
-    "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks"]
+    "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks", "op_packet",
+    "CPU_ATTENTION"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -340,6 +341,17 @@ def argument_names(op) -> tuple:
     """The names of an ATen/c10d op overload's arguments, in schema order (to read its call's
     ``args`` by name)."""
     return tuple(a.name for a in op._schema.arguments)
+
+
+def op_packet(op):
+    """The overload packet of an op overload (``aten.mm`` of ``aten.mm.default``): what torch's
+    FLOP formulas (``torch.utils.flop_counter``) are keyed by."""
+    return op._overloadpacket
+
+
+# the CPU's attention kernels (forward, backward), which the FLOP formulas leave out
+CPU_ATTENTION = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
 
 import torch.distributed._functional_collectives as _funcol  # noqa: E402 (registers _c10d_functional)

@@ -37,9 +37,11 @@ from tpfn.algebra import local_shape, transition
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun import units
 from tpfn.dryrun.collectives import record
+from tpfn.dryrun.cost import Machine, predict
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.dryrun.slots import Slots, storage_of
+from tpfn.dryrun.work import count
 from tpfn.errors import PlanError
 from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
@@ -234,7 +236,7 @@ def _kept(model: nn.Module, saved: list) -> int:
 
 def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, values: dict, block):
     """One forward and backward of ``model``: the collectives, what ``_watch`` saw, the
-    ``Slots`` that watched each slot, and the bytes saved for the backward."""
+    ``Slots`` that watched each slot, the bytes saved for the backward, and each phase's work."""
     seen: dict = {}
     _watch(model, seen, block)
     nodes: list = []
@@ -249,16 +251,16 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
         return x
 
     try:
-        with record(model, nodes=nodes) as comms:
+        with record(model, nodes=nodes) as comms, count() as work:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 out = model(*args, **kwargs)
-            phase = "backward"
+            phase = work.phase = "backward"
             grads = [t.sum() for t in floats(out)]
             if grads:
                 torch.autograd.backward(grads)
     except Exception as exc:
         raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints]) from exc
-    return comms, seen, slots, _kept(model, saved)
+    return comms, seen, slots, _kept(model, saved), tuple((p, work.of(p)) for p in ("forward", "backward"))
 
 
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
@@ -280,8 +282,8 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     lints = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
              *lint.fused(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
-    comms, seen, slots, kept = _run(model, mounts, lints, n, args, kwargs, values,
-                                    blocks[0] if blocks else None) if ran else ([], {}, None, None)
+    comms, seen, slots, kept, work = _run(model, mounts, lints, n, args, kwargs, values,
+                                          blocks[0] if blocks else None) if ran else ([], {}, None, None, ())
     rows = [attrs.evolve(r, transitions=_transitions(mounts[r.fqn], seen.get(r.fqn, {}), ran))
             if r.fqn in mounts else r for r in rows]
     flows = () if slots is None else slots.flows(
@@ -292,7 +294,7 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)
     megatron = Megatron(blocks, _tokens(examples[0][1]), *seen[None]) if None in seen and examples else None
-    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept)
+    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept, work)
 
 
 def _monomial(sizes: list, runs: list, symbols: list, what: str):
@@ -350,7 +352,8 @@ def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict
     flows = tuple(attrs.evolve(f, shape=_shape([r.flows[i].shape for r in reports], runs, symbols))
                   for i, f in enumerate(reports[0].flows))
     kept = None if reports[0].kept is None else _shape([(r.kept,) for r in reports], runs, symbols)
-    return attrs.evolve(reports[0], comms=comms, flows=flows, kept=None if kept is None else kept[0])
+    return attrs.evolve(reports[0], comms=comms, flows=flows, kept=None if kept is None else kept[0],
+                        work=())  # (a phase's work is a sum of terms, no monomial: counted at numbers only)
 
 
 def _shape(shapes: list, runs: list, symbols: list):
@@ -366,7 +369,8 @@ def _shape(shapes: list, runs: list, symbols: list):
 
 def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
             example_inputs: object = None, dtype: torch.dtype = torch.long,
-            sizes: dict | None = None, overlap: bool = True, kernels: bool = True) -> Report:
+            sizes: dict | None = None, overlap: bool = True, kernels: bool = True,
+            machine: Machine | None = None) -> Report:
     """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
 
     - ``module``: any module (on any device, or meta); it is copied to meta, never changed.
@@ -382,6 +386,9 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
     - ``overlap``, ``kernels``: as ``parallelize`` takes them (the dry run takes the route a real
       run takes); the report counts the backward collectives that overlap weight gradients
       (``Comm.overlaps``).
+    - ``machine``: a ``tpfn.dryrun.cost.Machine`` (measured by ``calibrate``, or given): the
+      report then predicts a step's time on it, phase by phase (``report.step``; needs example
+      inputs at numbers, not symbols).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -413,6 +420,10 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
                              f"uses (symbols: {', '.join(map(str, symbols)) or 'none'}).")
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise TypeError(f"sizes[{x!r}] must be a positive int (got {v!r}).")
+    if machine is not None and (symbols or example_inputs is None):
+        raise ValueError("explain(..., machine=...) predicts the step time of a run: give example_inputs "
+                         f"at numbers{' (not symbols: ' + ', '.join(map(str, symbols)) + ')' if symbols else ''}.")
     if not symbols:
-        return _dry_run(module, plan, world_size, world_size, args, kwargs, {}, options)
+        report = _dry_run(module, plan, world_size, world_size, args, kwargs, {}, options)
+        return report if machine is None else attrs.evolve(report, step=predict(report, machine))
     return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes, options)

@@ -194,7 +194,9 @@ class Report:
     and which collectives it ran; ``partial_grads``: the parameters whose partial gradients
     are summed at the end of the backward (in the collectives of no module); ``kept``: the
     bytes of the tensors autograd saved for the backward on rank 0 (its activations; the
-    model's parameters and buffers left out; None where nothing ran).
+    model's parameters and buffers left out; None where nothing ran); ``work``: each phase's
+    local work on rank 0 (``(phase, tpfn.dryrun.work.Work)`` pairs; none where nothing ran);
+    ``step``: the step time predicted on a machine (``explain(..., machine=...)``), or None.
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -216,6 +218,8 @@ class Report:
     flows: tuple = ()
     partial_grads: tuple = ()
     kept: int | sympy.Expr | None = None
+    work: tuple = ()
+    step: object = None  # a tpfn.dryrun.cost.StepTime
 
     @property
     def collectives(self) -> dict:
@@ -294,6 +298,10 @@ class Report:
                 "formula_bytes": _number(self.megatron_bytes),
                 "measured_bytes": _number(self.blocks_bytes)},
             "lints": list(self.lints),
+            "work": {phase: attrs.asdict(w) for phase, w in self.work},
+            "step_time_s": None if self.step is None else {
+                "forward": attrs.asdict(self.step.forward), "backward": attrs.asdict(self.step.backward),
+                "optimizer": self.step.optimizer, "total": self.step.total},
         }
 
     def to_html(self, baseline: Report | None = None, *, name: str = "this plan",
@@ -328,6 +336,8 @@ class Report:
              f"{_exact(self.phase_bytes('backward'))}; total {_exact(self.bytes)}"),
             ("parameter bytes per rank", _exact(self.param_bytes)),
         ]
+        if self.step is not None:
+            out.append(("predicted step time", str(self.step)))
         backward = [c for c in self.comms if c.phase == "backward"]
         if backward:
             out.insert(2, ("overlapping weight gradients",

@@ -1,0 +1,214 @@
+"""A step's time predicted from a dry run: local work at a machine's rates, collectives over its links.
+
+A ``Machine`` is what one rank's device and the links between ranks sustain: ``flops``
+(FLOP/s of matrix products), ``bandwidth`` (bytes/s of the other ops), ``op`` (seconds each op
+costs beyond its work: dispatch, launch, the framework's code around it), and a ``Link`` per
+collective kind (seconds per ring step, bytes/s a rank sends). ``calibrate(mesh)`` measures
+them on the ranks of ``mesh``; figures from elsewhere can be written as a ``Machine`` value.
+
+``predict(report, machine)`` reads a ``tpfn.explain`` report: each phase's local work
+(``tpfn.dryrun.work``) takes ``flops / machine.flops + bytes / machine.bandwidth + ops *
+machine.op``, each collective ``steps * latency + bytes / bandwidth`` of its kind's link (the
+ring model: an all-reduce takes ``2(n-1)`` steps, the others ``n-1``; ``bytes`` as the report
+counts them), and Adam's step reads and writes seven times each rank's parameter bytes.
+Nothing is assumed to overlap: on a few CPU cores gloo's transfers are work for the cores
+that compute (docs/performance.md).
+
+>>> machine = Machine(flops=1e11, bandwidth=2e10, op=5e-6,
+...                   links=(("all_reduce", Link(5e-4, 1e9)),))
+>>> machine.collective("all_reduce", 2, 4_000_000)   # two ring steps and 4 MB
+0.005
+>>> eval(repr(machine)) == machine
+True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import attrs
+import torch
+import torch.distributed as dist
+
+__all__ = ["Link", "Machine", "Phase", "StepTime", "calibrate", "predict"]
+
+
+@attrs.frozen
+class Link:
+    """One collective kind between the ranks: ``latency`` seconds per ring step and the
+    ``bandwidth`` in bytes/s at which a rank sends."""
+
+    latency: float
+    bandwidth: float
+
+
+def _ring_steps(kind: str, n: int) -> int:
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+@attrs.frozen
+class Machine:
+    """The rates a step's time is predicted from (see the module docstring); ``links`` pairs
+    each collective kind with its ``Link``."""
+
+    flops: float
+    bandwidth: float
+    op: float
+    links: tuple = ()
+
+    def compute(self, work) -> float:
+        """Seconds of one phase's local ``work`` (a ``tpfn.dryrun.work.Work``)."""
+        return work.flops / self.flops + work.bytes / self.bandwidth + work.ops * self.op
+
+    def collective(self, kind: str, n: int, sent) -> float:
+        """Seconds of one ``kind`` collective among ``n`` ranks in which a rank sends ``sent`` bytes."""
+        link = dict(self.links).get(kind)
+        if link is None:
+            raise ValueError(f"this Machine has no link figures for {kind!r} (it has "
+                             f"{', '.join(k for k, _ in self.links) or 'none'}); calibrate it on "
+                             "a mesh, or give Link(latency, bandwidth) for it.")
+        return _ring_steps(kind, n) * link.latency + float(sent) / link.bandwidth
+
+
+@attrs.frozen
+class Phase:
+    """One phase's predicted seconds: its local ``compute`` and its ``collectives``."""
+
+    compute: float
+    collectives: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.collectives
+
+
+@attrs.frozen
+class StepTime:
+    """A step's predicted seconds on one rank: ``forward``, ``backward`` (``Phase`` values) and
+    the ``optimizer``'s step.
+
+    >>> step = StepTime(Phase(0.010, 0.002), Phase(0.020, 0.003), 0.001)
+    >>> round(step.total, 6), str(step)
+    (0.036, 'forward 12.0 ms (compute 10.0, collectives 2.0); backward 23.0 ms (compute 20.0, collectives 3.0); optimizer 1.0 ms; step 36.0 ms')
+    """
+
+    forward: Phase
+    backward: Phase
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.forward.total + self.backward.total + self.optimizer
+
+    def __str__(self) -> str:
+        ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+        phase = lambda name, p: (f"{name} {ms(p.total)} ms (compute {ms(p.compute)}, "  # noqa: E731
+                                 f"collectives {ms(p.collectives)})")
+        return (f"{phase('forward', self.forward)}; {phase('backward', self.backward)}; "
+                f"optimizer {ms(self.optimizer)} ms; step {ms(self.total)} ms")
+
+
+ADAM_PASSES = 7  # Adam reads a parameter, its gradient and two moments, and writes three
+
+
+def predict(report, machine: Machine, *, optimizer: bool = True) -> StepTime:
+    """The step time of ``report``'s plan on ``machine`` (see the module docstring);
+    ``optimizer=False`` leaves the optimizer's step out."""
+    if not report.work:
+        raise ValueError("this report ran nothing (tpfn.explain without example_inputs): give it "
+                         "example inputs to predict a step's time.")
+    work = dict(report.work)
+
+    def phase(name: str) -> Phase:
+        comms = sum(machine.collective(c.kind, int(c.group_size), c.bytes)
+                    for c in report.comms if c.phase == name)
+        return Phase(machine.compute(work[name]), comms)
+    adam = ADAM_PASSES * float(report.param_bytes) / machine.bandwidth if optimizer else 0.0
+    return StepTime(phase("forward"), phase("backward"), adam)
+
+
+# --- measuring a machine -------------------------------------------------------------------------
+
+
+def _seconds(fn, repeats: int, sync) -> float:
+    """The median seconds of ``fn()`` over ``repeats`` calls, after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _overhead_model(device) -> torch.nn.Module:
+    """Small layers whose time is mostly the cost per op: what ``Machine.op`` is fitted on."""
+    layers = [m for _ in range(8) for m in (torch.nn.LayerNorm(64), torch.nn.Linear(64, 64), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def calibrate(mesh, *, repeats: int = 20, size: int = 1 << 20) -> Machine:
+    """Measure a ``Machine`` on the ranks of the 1-D ``mesh`` (call it on every rank; every rank
+    returns rank 0's figures): a 1024-cube matrix product, an addition over ``size``-element
+    tensors, a forward and backward of small layers for the cost per op, and each collective
+    kind at two sizes for its link.
+
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> machine = calibrate(init_device_mesh("cpu", (1,)), repeats=2)
+    >>> machine.flops > 0 and machine.op > 0 and dict(machine.links)["all_reduce"].latency >= 0
+    True
+    """
+    from tpfn.dryrun.work import count
+
+    device = torch.device(mesh.device_type)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    a = torch.randn(1024, 1024, device=device)
+    flops = 2 * 1024**3 / _seconds(lambda: a @ a, repeats, sync)
+    x, y = torch.randn(size, device=device), torch.randn(size, device=device)
+    bandwidth = 3 * x.nbytes / _seconds(lambda: x + y, repeats, sync)
+    model, h = _overhead_model(device), torch.randn(8, 64, device=device, requires_grad=True)
+    step = lambda: model(h).sum().backward()  # noqa: E731
+    with count() as counts:
+        model(h).sum().backward()  # (one phase: the fit needs the step's work, not its parts)
+    work = counts.of("forward")
+    seconds = _seconds(step, repeats, sync)
+    op = max(seconds - work.flops / flops - work.bytes / bandwidth, 0.0) / work.ops
+    links = tuple((kind, _link(kind, mesh, repeats, sync)) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    figures = [flops, bandwidth, op, *(v for _, link in links for v in (link.latency, link.bandwidth))]
+    if mesh.size() > 1:  # every rank takes rank 0's figures
+        shared = torch.tensor(figures, dtype=torch.float64, device=device)
+        dist.broadcast(shared, group=mesh.get_group(), group_src=0)
+        figures = shared.tolist()
+    flops, bandwidth, op, *rest = figures
+    return Machine(flops, bandwidth, op, tuple(
+        (kind, Link(rest[2 * i], rest[2 * i + 1])) for i, (kind, _) in enumerate(links)))
+
+
+def _link(kind: str, mesh, repeats: int, sync) -> Link:
+    """``kind``'s link on ``mesh``, from its time at 4 KiB and 4 MiB of whole tensor."""
+    n, group = mesh.size(), mesh.get_group()
+    if n == 1:
+        return Link(0.0, float("inf"))
+    times, sent = [], []
+    for numel in (1024, 1 << 20):  # elements of the whole tensor (float32)
+        whole = torch.randn(numel, device=mesh.device_type)
+        if kind == "all_reduce":
+            fn = lambda: dist.all_reduce(whole, group=group)  # noqa: E731
+            sent.append(2 * (n - 1) / n * whole.nbytes)
+        elif kind == "all_gather":
+            piece = whole[: numel // n].clone()
+            fn = lambda: dist.all_gather_into_tensor(torch.empty_like(whole), piece, group=group)  # noqa: E731
+            sent.append((n - 1) / n * whole.nbytes)
+        else:
+            out = whole[: numel // n].clone()
+            fn = lambda: dist.reduce_scatter_tensor(out, whole, group=group)  # noqa: E731
+            sent.append((n - 1) / n * whole.nbytes)
+        dist.barrier(group=group)
+        times.append(_seconds(fn, repeats, sync))
+    steps = _ring_steps(kind, n)
+    bandwidth = (sent[1] - sent[0]) / max(times[1] - times[0], 1e-9)
+    latency = max(times[0] - sent[0] / bandwidth, 0.0) / steps
+    return Link(latency, bandwidth)
