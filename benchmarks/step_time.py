@@ -119,6 +119,32 @@ def _loss(model, tokens, target):
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
+class _WithLoss(torch.nn.Module):
+    """A model and the benchmark's loss in one forward: what ``tpfn.explain`` predicts a step of."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, target):
+        return _loss(self.model, tokens, target)
+
+
+def _predicted(build, plan, machine, tokens, target, reference: bool) -> float:
+    """Seconds of one step of ``plan`` on ``machine``, as ``tpfn.explain`` predicts it."""
+    import tpfn
+    from tests.models import local_heads
+
+    with torch.device("meta"):
+        model = build()
+    if reference:
+        local_heads(model, 2)
+    plan = plan if plan is not None else tpfn.from_hf(model.tp_plan, model)
+    report = tpfn.explain(_WithLoss(model), tpfn.plan({"model": plan}), world_size=2,
+                          example_inputs=(tokens, target), machine=machine)
+    return report.step.total
+
+
 def _optimizer(model, fused: bool):
     """Adam: the default single-tensor loop, or fused over ``tpfn.param_groups`` (DTensor and
     plain parameters apart, as fused Adam needs)."""
@@ -135,6 +161,7 @@ def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
 
     import tpfn
     from benchmarks.handwritten import Comm, HandLlama, HandTransformer
+    from tpfn.dryrun.cost import calibrate
     from tests.models import local_heads
     from tests.ranks import mesh
 
@@ -158,6 +185,9 @@ def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
     models["hand-written"] = hand(build(), Comm(), sp)
     models["compute alone"] = hand(build(), Comm(real=False), sp)
     assert list(models) == list(VARIANTS)
+    machine = calibrate(m)  # on these two ranks, now: what explain's prediction reads
+    sample = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    predicted = _predicted(build, recommended, machine, sample, sample, model_name == "reference")
     one = build()  # one device: the whole model on every rank, not timed
     optimizers = {k: _optimizer(v, fused) for k, v in models.items()}
     one_opt = _optimizer(one, fused)
@@ -191,7 +221,7 @@ def _steps(model_name: str, sp: bool, steps: int, fused: bool = False) -> dict:
         one_opt.step()
         losses["one device"].append(loss.item())
     return {"median": {k: statistics.median(v) for k, v in times.items()}, "times": times,
-            "losses": losses}
+            "losses": losses, "predicted": predicted, "machine": repr(machine)}
 
 
 def _gap(a: list, b: list) -> float:
@@ -211,9 +241,9 @@ def run(quick: bool = False) -> Table:
                    "tpfn recommended ms", "no overlap ms", "kernels=False ms", "hand-written ms",
                    "compute alone ms", "same / native", "recommended / native", "overlap / no overlap",
                    "tpfn / hand-written", "no overlap / hand-written", "kernels=False / hand-written",
-                   "tpfn / compute"])
+                   "tpfn / compute", "predicted ms", "predicted / tpfn"])
     steps = 5 if quick else 60
-    spreads, overlaps = [], []
+    spreads, overlaps, machines = [], [], []
     with Ranks(2) as ranks:
         for model, sp, fused in itertools.product(("reference", "llama"), (False, True),
                                                   (False, True)):
@@ -231,7 +261,11 @@ def run(quick: bool = False) -> Table:
             table.add("PyTorch reference Transformer" if model == "reference" else "HF Llama",
                       "on" if sp else "off", "fused" if fused else "loop", native, same, best,
                       sync, ref, hand, compute, same / native, best / native, best / sync,
-                      best / hand, sync / hand, ref / hand, best / compute)
+                      best / hand, sync / hand, ref / hand, best / compute, result["predicted"] * 1e3,
+                      result["predicted"] * 1e3 / best)
+            machines.append(f"{label}: {result['machine']}")
+            table.target(f"{label}: explain's predicted step within 20% of tpfn's measured one",
+                         abs(result["predicted"] * 1e3 / best - 1) <= 0.2)
             gap = _gap(losses["tpfn, same plan"], losses["native"])
             table.target(f"{label}: tpfn/native <= 1.00 "
                          f"(losses agree to {gap:.0e})", best / native <= 1.0)
@@ -256,6 +290,9 @@ def run(quick: bool = False) -> Table:
                        "time only)")
     table.notes.append("tpfn / hand-written step by step, quartiles: " + "; ".join(spreads))
     table.notes.append("overlap / no overlap step by step, quartiles: " + "; ".join(overlaps))
+    table.notes.append("predicted = tpfn.explain(..., machine=calibrate(mesh)) of the recommended plan with "
+                       "the loss, the machine measured on the same 2 ranks before each configuration: "
+                       + "; ".join(machines))
     return table
 
 

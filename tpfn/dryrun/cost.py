@@ -154,7 +154,7 @@ def calibrate(mesh, *, repeats: int = 20, size: int = 1 << 20) -> Machine:
     """Measure a ``Machine`` on the ranks of the 1-D ``mesh`` (call it on every rank; every rank
     returns rank 0's figures): a 1024-cube matrix product, an addition over ``size``-element
     tensors, a forward and backward of small layers for the cost per op, and each collective
-    kind at two sizes for its link.
+    kind at two sizes between two pieces of local work, for its link as a step sees it.
 
     >>> from torch.distributed.device_mesh import init_device_mesh
     >>> machine = calibrate(init_device_mesh("cpu", (1,)), repeats=2)
@@ -188,27 +188,29 @@ def calibrate(mesh, *, repeats: int = 20, size: int = 1 << 20) -> Machine:
 
 
 def _link(kind: str, mesh, repeats: int, sync) -> Link:
-    """``kind``'s link on ``mesh``, from its time at 4 KiB and 4 MiB of whole tensor."""
+    """``kind``'s link on ``mesh``: the time one collective adds between two pieces of local work
+    (as inside a step: the transfer and the wait for the slower rank), at 4 KiB and 4 MiB of
+    whole tensor."""
     n, group = mesh.size(), mesh.get_group()
     if n == 1:
         return Link(0.0, float("inf"))
+    a = torch.randn(256, 256, device=mesh.device_type)
+    work = lambda: a @ a  # noqa: E731
+    dist.barrier(group=group)
+    alone = _seconds(work, repeats, sync)
     times, sent = [], []
     for numel in (1024, 1 << 20):  # elements of the whole tensor (float32)
         whole = torch.randn(numel, device=mesh.device_type)
+        piece = whole[: numel // n].clone()
         if kind == "all_reduce":
-            fn = lambda: dist.all_reduce(whole, group=group)  # noqa: E731
-            sent.append(2 * (n - 1) / n * whole.nbytes)
+            collective = lambda: dist.all_reduce(whole, group=group)  # noqa: E731
         elif kind == "all_gather":
-            piece = whole[: numel // n].clone()
-            fn = lambda: dist.all_gather_into_tensor(torch.empty_like(whole), piece, group=group)  # noqa: E731
-            sent.append((n - 1) / n * whole.nbytes)
+            collective = lambda: dist.all_gather_into_tensor(whole, piece, group=group)  # noqa: E731
         else:
-            out = whole[: numel // n].clone()
-            fn = lambda: dist.reduce_scatter_tensor(out, whole, group=group)  # noqa: E731
-            sent.append((n - 1) / n * whole.nbytes)
+            collective = lambda: dist.reduce_scatter_tensor(piece, whole, group=group)  # noqa: E731
+        sent.append(_ring_steps(kind, n) / n * whole.nbytes if kind == "all_reduce" else (n - 1) / n * whole.nbytes)
         dist.barrier(group=group)
-        times.append(_seconds(fn, repeats, sync))
-    steps = _ring_steps(kind, n)
+        times.append(max(_seconds(lambda: (work(), collective()), repeats, sync) - alone, 0.0))
     bandwidth = (sent[1] - sent[0]) / max(times[1] - times[0], 1e-9)
-    latency = max(times[0] - sent[0] / bandwidth, 0.0) / steps
+    latency = max(times[0] - sent[0] / bandwidth, 0.0) / _ring_steps(kind, n)
     return Link(latency, bandwidth)
