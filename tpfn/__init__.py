@@ -21,6 +21,7 @@ from tpfn.style.constructors import (colwise, identity, on_shards, params, prepa
                                      replicate, rowwise, sequence_parallel)
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
+from tpfn.training.hf import causal_lm_loss, for_accelerate
 from tpfn.training.loss import cross_entropy
 from tpfn.training.optim import param_groups
 from tpfn.training.pretrained import empty_weights, from_pretrained, load_pretrained, save_pretrained
@@ -36,7 +37,7 @@ __all__ = [
     "prepare_in", "prepare_out", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
-    "cross_entropy", "clip_grad_norm_", "param_groups",
+    "cross_entropy", "causal_lm_loss", "clip_grad_norm_", "param_groups", "for_accelerate",
     "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError", "from_hf",
     "explain", "Report", "verify",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",

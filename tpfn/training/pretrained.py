@@ -695,7 +695,9 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     ``AutoModelForCausalLM``, then ``AutoModel``), in ``dtype`` (default: the config's),
     parallelized with ``plan`` (default: ``tpfn.from_hf(model.tp_plan, model)``) and filled
     by ``load_pretrained``. tpfn's ``from_pretrained(path, mesh)`` is transformers'
-    ``from_pretrained(path, tp_plan="auto")``.
+    ``from_pretrained(path, tp_plan="auto")``. Where ``plan`` leaves the logits sharded over
+    the vocabulary (``lm_head`` ending in ``colwise(local=False)``), ``labels=`` computes the
+    vocabulary-parallel ``tpfn.causal_lm_loss`` on them.
 
     >>> import tempfile
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -712,6 +714,7 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
 
     from tpfn.adapters.from_hf import from_hf
     from tpfn.interpret.parallelize import parallelize
+    from tpfn.training.hf import set_loss
 
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -723,4 +726,5 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
         model = _build(config, model_class, dtype)
     model.eval()
     parallelize(model, mesh, from_hf(model.tp_plan, model) if plan is None else plan, src_rank=None)
+    set_loss(model)  # a plan that leaves the logits sharded: labels= computes a vocab-parallel loss
     return load_pretrained(model, path)
