@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import tpfn
+from tests.models import max_rel_err
 from tests.ranks import mesh
 from tests.test_examples import EXAMPLES
 
@@ -134,3 +135,109 @@ def test_for_accelerate_refuses_data_ranks_nothing_keeps_in_step(ranks2):
 def test_for_accelerate_refuses_a_model_tpfn_did_not_parallelize():
     with pytest.raises(ValueError, match="not parallelized by tpfn"):
         tpfn.for_accelerate(nn.Linear(2, 2))
+
+
+# -- PEFT: LoRA adapters sharded by their base layer's style ----------------------------------
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]  # column- and row-wise bases
+
+
+def _lora_llama():
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama()
+    torch.manual_seed(1)  # B random too (init_lora_weights=False), so that every adapter weight counts
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    return model, get_peft_model(model, config)
+
+
+def _lora_steps(peft_model, steps: int = 3) -> list:
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    losses, ids = [], torch.randint(0, 62, (2, 12), generator=torch.Generator().manual_seed(2))
+    for _ in range(steps):  # one batch: its loss falls
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _lora_training(directory: str):
+    import torch.distributed as dist
+    from peft import PeftModel
+
+    _, single = _lora_llama()
+    expected = _lora_steps(single)
+    inner, peft_model = _lora_llama()
+    plan = tpfn.from_hf(inner.tp_plan, inner)  # LoRA first, then the plan: with_lora inside
+    assert plan.rules[dict(plan.rules).__len__() - 1][0] == "model.layers.*.self_attn.v_proj.lora_B.*"
+    tpfn.parallelize(inner, mesh(2), plan)
+    q = inner.model.layers[0].self_attn.q_proj
+    o = inner.model.layers[0].self_attn.o_proj
+    assert q.lora_B["default"].weight.placements[0].dim == 0 and not hasattr(q.lora_A["default"].weight, "placements")
+    assert o.lora_A["default"].weight.placements[0].dim == 1 and not hasattr(o.lora_B["default"].weight, "placements")
+    assert not q.base_layer.weight.requires_grad  # frozen as PEFT left it
+    losses = _lora_steps(peft_model)
+    assert max(abs(a - b) / b for a, b in zip(losses, expected)) <= 1e-5, (losses, expected)
+    err = max(max_rel_err(peft_model, single).values())
+    assert err <= 1e-5, err  # test_dp_tp's bar for three AdamW steps
+    full = tpfn.checkpoint.full_state_dict(peft_model)
+    peft_model.save_pretrained(directory, state_dict=full, is_main_process=dist.get_rank() == 0)
+    dist.barrier()
+    plain = _llama()
+    reloaded = PeftModel.from_pretrained(plain, directory)  # PEFT alone, one device
+    adapters = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
+    assert len(adapters) == 2 * len(LORA_TARGETS) and all(torch.equal(p, full[n]) for n, p in adapters.items())
+    return losses
+
+
+def test_lora_adapters_shard_by_their_base_and_train_as_one_device(ranks2, tmp_path):
+    # A replicated and B column-wise on q, v and up; A row-wise and B replicated on o and down:
+    # three AdamW steps, every adapter weight, and an adapter PEFT reads back on one device.
+    a, b = ranks2.run(_lora_training, str(tmp_path / "adapter"))
+    assert a == b and a[-1] < a[0]
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["README.md", "adapter_config.json",
+                                                        "adapter_model.safetensors"]
+
+
+class _Lora(nn.Module):
+    """PEFT's shape of a LoRA layer, for the refusals."""
+
+    def __init__(self, base, dropout=0.0, dora=False):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(8, 2, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(2, 8, bias=False)})
+        self.lora_dropout = nn.ModuleDict({"default": nn.Dropout(dropout) if dropout else nn.Identity()})
+        self.lora_magnitude_vector = nn.ModuleDict({"default": nn.Linear(1, 1)} if dora else {})
+
+
+def test_with_lora_refuses_what_would_compute_wrongly_all_at_once():
+    from tpfn import PlanError, Shard, colwise, prepare_in, prepare_out, rowwise
+
+    model = nn.ModuleDict({"emb": _Lora(nn.Embedding(8, 8)), "dora": _Lora(nn.Linear(8, 8), dora=True),
+                           "drop": _Lora(nn.Linear(8, 8), dropout=0.1), "sp": _Lora(nn.Linear(8, 8)),
+                           "rs": _Lora(nn.Linear(8, 8)), "rep": _Lora(nn.Linear(8, 8))})
+    plan = {"emb": rowwise(), "dora": colwise(), "drop": rowwise(), "sp": prepare_in(Shard(1)) >> colwise(),
+            "rs": rowwise() >> prepare_out(Shard(1)), "rep": tpfn.replicate()}
+    with pytest.raises(PlanError) as e:
+        tpfn.with_lora(plan, model)
+    text = str(e.value)
+    assert "(6 problems)" in text
+    assert "'emb' (_Lora) is a LoRA layer on Embedding; tpfn shards LoRA layers on nn.Linear" in text
+    assert "'dora' (_Lora) holds a LoRA variant (DoRA)" in text
+    assert "'drop' (_Lora): LoRA dropout on a row-wise base would draw on each rank's slice" in text
+    assert "takes its input as Shard(dim=1), so lora_A, replicated, would see one rank's slice" in text
+    assert "hands on its output as Shard(dim=1), so lora_B, replicated, would see one rank's part" in text
+    assert "'rep' (_Lora) is a LoRA layer bound to replicate()" in text
+    assert tpfn.with_lora({"drop": colwise()}, model) == tpfn.plan(  # replicated input: one mask
+        {"drop.base_layer": colwise(), "drop.lora_B.*": colwise()})
+
+
+def test_a_lora_layer_bound_as_it_is_points_to_with_lora():
+    from tpfn import PlanError, colwise
+
+    with pytest.raises(PlanError, match=r"not _Lora \(tests.test_integrations._Lora, which wraps its "
+                                        r"'base_layer'\): pass the plan through tpfn.with_lora\(plan, model\)"):
+        tpfn.resolve({"0": colwise()}, nn.Sequential(_Lora(nn.Linear(8, 8))))

@@ -9,6 +9,7 @@ import importlib.metadata as _metadata
 from tpfn import algebra, checkpoint, record, rng, trace
 from tpfn.adapters.from_hf import from_hf
 from tpfn.adapters.from_torch import from_torch
+from tpfn.adapters.lora import with_lora
 from tpfn.dryrun.explain import explain
 from tpfn.dryrun.report import Report
 from tpfn.dryrun.verify import verify
@@ -39,6 +40,7 @@ __all__ = [
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "causal_lm_loss", "clip_grad_norm_", "param_groups", "for_accelerate",
     "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError", "from_hf",
+    "with_lora",
     "explain", "Report", "verify",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "record", "rng", "trace"]

@@ -30,6 +30,7 @@ import collections
 import torch.nn as nn
 
 from tpfn._fqn import generalize, join, matches
+from tpfn.adapters.lora import is_lora, with_lora
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
@@ -162,6 +163,7 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
     """The style of ``module`` keyed ``string`` (None: not keyed) whose parameters keyed
     in the plan are placed ``own``; None after adding to ``found`` what prevents it."""
     placed = {n: p for n, (_, p) in own.items()}
+    module = module.base_layer if is_lora(module) else module  # with_lora shards what is inside
     if string is None:  # only its parameters are keyed: local shards it computes with, or not
         local = any(s in _LOCAL for s, _ in own.values())
         return params(**placed) >> on_shards() if local else params(**placed)
@@ -288,4 +290,4 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
                if string in _CONSUMERS and "." in fqn and fqn not in latents]
     readers = collections.Counter(parents)
     styles.update({p: _SHARED for p, n in readers.items() if n > 1 and p not in styles})
-    return plan(_spell(styles, modules))
+    return with_lora(plan(_spell(styles, modules)), model)

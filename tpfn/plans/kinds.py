@@ -331,4 +331,8 @@ def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()
             return row(core, module, where, owned)
     *most, last = (f"nn.{kind.__name__}" for kind, _ in TABLE[core.kind])
     kinds = f"{', '.join(most)} and {last}" if most else last
-    return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}."
+    wraps = isinstance(getattr(module, "base_layer", None), nn.Module)  # PEFT's LoRA layers, say
+    return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}" + (
+        f" ({type(module).__module__}.{type(module).__qualname__}, which wraps its 'base_layer'): pass the "
+        "plan through tpfn.with_lora(plan, model), which shards the base layer and its LoRA adapters "
+        "alike (tpfn.from_hf does)." if wraps else ".")
