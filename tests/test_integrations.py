@@ -52,6 +52,33 @@ def test_trainer_and_accelerate_match_one_process_on_tp_and_dp_x_tp_meshes(tmp_p
     assert "on a 2 x 2 mesh" in out
 
 
+def _under_torchrun(name: str, *args):
+    """The example ``name``'s ``main(*args)`` on this rank, with the environment torchrun sets
+    (Lightning reads it to find the process group already made), restored afterwards."""
+    import torch.distributed as dist
+
+    from tests.test_examples import _example
+
+    env = {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(dist.get_rank()),
+           "WORLD_SIZE": str(dist.get_world_size()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _example(name, *args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_lightning_fabric_with_tpfn_as_parallelize_fn_matches_one_process(ranks2):
+    # ModelParallelStrategy(parallelize_fn=...) on CPU: main() raises SystemExit where the
+    # loss curve leaves the one-process one.
+    ranks2.run(_under_torchrun, "train_lightning", 1)
+
+
 # -- the causal-LM loss and what for_accelerate checks, on the shared ranks ---------------------
 
 def _llama():
