@@ -29,6 +29,7 @@ from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
+from tpfn.training.progress import Progress, enabled, log
 
 __all__ = ["verify", "Verification", "Check"]
 
@@ -471,7 +472,8 @@ def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
 
 def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, *, world_size: int = 2,
            tolerance: float = TOLERANCE, dtype: torch.dtype = torch.long, seed: int = 0,
-           cotangent: str = "random", timeout: float = 120.0) -> Verification:
+           cotangent: str = "random", timeout: float = 120.0,
+           progress: bool | None = None) -> Verification:
     """Run ``plan`` on ``model`` over ``world_size`` real ranks (forked processes, gloo) and
     compare every module's output and every parameter's gradient with one device.
 
@@ -486,6 +488,8 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
     - ``tolerance``: the largest relative error ``||a - b|| / ||b||`` allowed (see ``TOLERANCE``).
     - ``timeout``: seconds the ranks may take; a rank that raises or outlasts it is reported in
       ``failure`` (its rank, module and exception), never a hang.
+    - ``progress``: a bar of its three steps (one device, the ranks, the comparison); default:
+      shown unless ``TPFN_PROGRESS=0`` (``tpfn.training.progress``).
 
     >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     >>> report = tpfn.verify(mlp, {"0": colwise(), "2": rowwise()}, (4, 8), dtype=torch.float32)
@@ -502,6 +506,18 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
         raise RuntimeError("verify forks its ranks, and this platform has no fork; run the plan "
                            "under torchrun and compare with one device instead.")
     _check_plan(model, plan, world_size)
+    with Progress("verify", 3, unit="step", enabled=enabled(progress)) as bar:
+        report = _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cotangent,
+                         timeout, bar)
+    outcome = ("failed" if report.failure else "ok" if report.ok else
+               f"diverges at {report.culprit or '<root>'!r}")
+    log.info("verify: %d modules on %d ranks against one device: %s, in %.2f s",
+             len(report.checks), world_size, outcome, bar.seconds)
+    return report
+
+
+def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cotangent, timeout,
+            bar: Progress) -> Verification:
     args, kwargs = _inputs(example_inputs, dtype, model, seed)
     mounts = {m.fqn: m for m in resolve(plan, model)}
     reference, rng = copy.deepcopy(model), torch.get_rng_state()
@@ -510,7 +526,9 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
                    str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if isinstance(x, torch.Tensor))
     report = Verification(world_size, tolerance, shown)
+    bar.update(1, "one device")
     results = _on_ranks(_Job(model, plan, args, kwargs, ref["cotangents"], rng), world_size, timeout)
+    bar.update(1, f"{world_size} ranks")
     errors = [v for s, v in results.values() if s == "error"]
     if errors:
         message, trace = errors[0]
@@ -519,6 +537,7 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
     report = attrs.evolve(report, notes=_sharded_outputs(ref, ranks))
     checks = _checks(model, mounts, ref, ranks)
     found = _culprit(checks, ref, ranks, tolerance)
+    bar.update(1, f"{len(checks)} modules compared")
     if found is None:
         return attrs.evolve(report, checks=tuple(checks))
     fqn, err, forward = found

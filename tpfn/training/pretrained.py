@@ -54,6 +54,8 @@ from tpfn.layout import Partial, from_torch
 from tpfn.layout import Shard as _Shard
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
+from tpfn.training.progress import Progress, enabled, log
+from tpfn.training.progress import size as readable
 
 __all__ = ["load_pretrained", "save_pretrained", "from_pretrained", "empty_weights",
            "CheckpointError", "SINGLE", "INDEX"]
@@ -509,7 +511,7 @@ def _fill_all(plan: list, values: list) -> None:
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
-                    dtype: torch.dtype | None = None) -> nn.Module:
+                    dtype: torch.dtype | None = None, progress: bool | None = None) -> nn.Module:
     """Fill every parameter and buffer of ``model`` with this rank's slice of the checkpoint
     at ``path``; returns ``model``. Every rank of the model's mesh calls it.
 
@@ -519,7 +521,8 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     ``src_rank=None``) or plain. ``dtype`` converts floating-point tensors (default: each
     parameter's own dtype). ``strict=False`` ignores keys the model lacks; a key the
     checkpoint lacks always raises. Raises ``CheckpointError`` listing every problem, each
-    naming the key and the file, before anything changes.
+    naming the key and the file, before anything changes. ``progress``: the bar of this rank's
+    bytes read (default: on rank 0 unless ``TPFN_PROGRESS=0``; ``tpfn.training.progress``).
 
     >>> import os, tempfile
     >>> torch.manual_seed(0) and None
@@ -541,7 +544,10 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     plan, problems = _check(model, targets, ckpt, strict, dtype)
     _refuse(problems, mesh)
     values, failed = [], []
-    with contextlib.ExitStack() as stack:
+    total = sum((local_tensor(t.tensor) if isinstance(t.tensor, DTensor) else t.tensor).numel() * wanted.itemsize
+                for t, _, wanted in plan)  # this rank's bytes
+    with contextlib.ExitStack() as stack, \
+            Progress("load_pretrained", total, enabled=enabled(progress)) as bar:
         handles: dict = {}
         def handle(key):
             file = ckpt.where[key]
@@ -560,11 +566,17 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike, *, strict: bool =
                 failed.append(f"cannot read {key!r} from {file}: {e}; the file is truncated or "
                               "corrupt: download or save it again.")
                 break
+            bar.update(values[-1].numel() * values[-1].element_size(),
+                       f"{len(values)}/{len(plan)} tensors, {len(handles)}/{len(ckpt.files)} files")
+            log.debug("load_pretrained: %r from %s, this rank's %s of %s", key, os.path.basename(file),
+                      tuple(values[-1].shape), tuple(target.tensor.shape))
     _refuse(failed, mesh)
     _fill_all(plan, values)
     left = [n for t in _targets(model) if t.meta for n in t.names[:1]]
     if left:  # _check refuses this; kept as the last word on "nothing unwritten"
         raise RuntimeError(f"after loading, {left} are still on the meta device: please report this.")
+    log.info("load_pretrained: %d tensors from %d files of %s, this rank's slices (%s), in %.2f s",
+             len(values), len(ckpt.files), path, readable(bar.done), bar.seconds)
     return model
 
 
@@ -586,7 +598,7 @@ def _bytes(size) -> int:
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB") -> None:
+                    max_shard_size: int | str = "5GB", progress: bool | None = None) -> None:
     """Write ``model`` as a Hugging Face checkpoint in the directory ``path``; every rank
     calls it, rank 0 writes.
 
@@ -596,7 +608,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
     ``model.safetensors.index.json``. Tied parameters are written once, under their first
     name; non-persistent buffers not at all; ``model.config`` (and ``generation_config``),
     when the model has them, beside them. Earlier ``model*.safetensors`` files in ``path``
-    are replaced.
+    are replaced. ``progress``: the bar of the bytes gathered and written (default: on rank 0
+    unless ``TPFN_PROGRESS=0``; ``tpfn.training.progress``).
 
     >>> import os, tempfile
     >>> with tempfile.TemporaryDirectory() as d:
@@ -632,19 +645,22 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
             if _SHARD.fullmatch(old) or old == INDEX:
                 os.remove(os.path.join(path, old))
     weight_map = {}
-    with torch.no_grad():
-        for name, shard in zip(names, shards):
+    with torch.no_grad(), Progress("save_pretrained", sum(e[3] for e in entries),
+                                   enabled=enabled(progress)) as bar:
+        for i, (name, shard) in enumerate(zip(names, shards)):
             tensors = {}
-            for key, t, layout, _ in shard:
+            for key, t, layout, nbytes in shard:
                 full = full_value(t, layout)
                 if writer:
                     tensors[key] = full.detach().to("cpu", copy=True).contiguous()
                     weight_map[key] = name
                 del full
+                bar.update(nbytes, f"file {i + 1}/{n}")
             if writer:
                 file = os.path.join(path, name)
                 save_file(tensors, file + ".partial", metadata={"format": "pt"})
                 os.replace(file + ".partial", file)
+                log.debug("save_pretrained: wrote %s (%d tensors)", file, len(tensors))
             del tensors
     if writer:
         if n > 1:
@@ -661,6 +677,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
             config.save_pretrained(path)
         if hasattr(getattr(model, "generation_config", None), "save_pretrained"):
             model.generation_config.save_pretrained(path)
+        log.info("save_pretrained: %d tensors (%s) in %d files to %s in %.2f s",
+                 len(entries), readable(bar.done), n, path, bar.seconds)
     if distributed:
         dist.barrier()
 
@@ -685,7 +703,7 @@ def _build(config, model_class, dtype):
 
 def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: type | None = None,
                     plan: Plan | dict | Style | None = None,
-                    dtype: torch.dtype | None = None) -> nn.Module:
+                    dtype: torch.dtype | None = None, progress: bool | None = None) -> nn.Module:
     """The model of the Hugging Face checkpoint directory ``path``, parallelized over the 1-D
     ``mesh``, each rank holding and having read only its slices; in eval mode, as
     transformers returns it. Every rank of the mesh calls it.
@@ -697,7 +715,7 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     by ``load_pretrained``. tpfn's ``from_pretrained(path, mesh)`` is transformers'
     ``from_pretrained(path, tp_plan="auto")``. Where ``plan`` leaves the logits sharded over
     the vocabulary (``lm_head`` ending in ``colwise(local=False)``), ``labels=`` computes the
-    vocabulary-parallel ``tpfn.causal_lm_loss`` on them.
+    vocabulary-parallel ``tpfn.causal_lm_loss`` on them. ``progress``: ``load_pretrained``'s bar.
 
     >>> import tempfile
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -727,4 +745,4 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     model.eval()
     parallelize(model, mesh, from_hf(model.tp_plan, model) if plan is None else plan, src_rank=None)
     set_loss(model)  # a plan that leaves the logits sharded: labels= computes a vocab-parallel loss
-    return load_pretrained(model, path)
+    return load_pretrained(model, path, progress=progress)
