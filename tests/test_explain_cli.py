@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -339,13 +340,22 @@ def test_the_tpfn_script_is_the_command_line():
 def test_a_plan_that_cannot_work_exits_1_with_its_problems(capsys):
     assert main(["explain", "tests.models:transformer", "tests.test_explain_cli:PLAN",
                  "--world-size", "8", "--input", "2,8"]) == 1
-    assert capsys.readouterr().err == (
-        "tpfn explain: the plan cannot be applied (2 problems):\n"
-        "  - the dry run's forward failed in 'layers.0.attention' (Attention): RuntimeError: shape "
-        "'[2, 8, 4, 4]' is invalid for input of size 32\n"
-        "  - 'wq', 'wk', 'wv' of 'layers.0.attention' (Attention) project 4 heads of 4 features: "
+    lines = capsys.readouterr().err.splitlines()
+    assert max(map(len, lines)) <= 80  # the list wraps to the terminal, between words
+    assert lines[0] == "tpfn explain: the plan cannot be applied (2 problems):"
+    problems = []
+    for line in lines[1:]:
+        if line.startswith("  - "):
+            problems.append(line[4:])
+        else:
+            assert line.startswith("    ")
+            problems[-1] += " " + line[4:]
+    assert problems == [
+        "the dry run's forward failed in 'layers.0.attention' (Attention): RuntimeError: shape "
+        "'[2, 8, 4, 4]' is invalid for input of size 32",
+        "'wq', 'wk', 'wv' of 'layers.0.attention' (Attention) project 4 heads of 4 features: "
         "fewer heads than the 8 ranks, so colwise() cannot give each rank a whole head; use at "
-        "most 4 ranks for tensor parallelism (and 1 more like it).\n")
+        "most 4 ranks for tensor parallelism (and 1 more like it)."]
 
 
 def test_bad_paths_and_arguments_are_usage_errors(capsys):
@@ -372,3 +382,36 @@ def test_bad_paths_and_arguments_are_usage_errors(capsys):
         err = capsys.readouterr().err
         assert err.startswith("usage: tpfn explain [-h]"), err  # explain's own usage, not tpfn's
         assert err.endswith(f"tpfn explain: error: {message}\n"), args
+
+
+def test_a_warning_that_the_numbers_would_be_wrong_exits_1_and_a_note_of_a_cost_0(capsys):
+    # 4 heads over 8 ranks: ranks would hold parts of heads (nothing runs without --input)
+    assert main(["explain", "tests.models:transformer", "tests.test_explain_cli:PLAN",
+                 "--world-size", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "\nwarnings (the numbers would be wrong):\n  - 'wq', 'wk', 'wv' of 'layers.0.attention'" in out
+    assert "fewer heads than the 8 ranks" in out and "notes:" not in out
+    report = tpfn.explain(transformer(), PLAN, world_size=8)
+    assert report.lints == report.warnings and report.notes == ()
+    assert report.to_dict()["warnings"] == list(report.warnings)
+    assert main(["explain", "tests.test_explain_cli.mlp", "tests.test_explain_cli:MLP_PLAN",
+                 "--world-size", "3"]) == 0  # uneven over 3 ranks: works, at a cost
+    out = capsys.readouterr().out
+    assert "\nnotes:\n  - '0.weight' Shard(dim=0) is uneven over 3 ranks" in out and "warnings" not in out
+    report = tpfn.explain(mlp(), MLP_PLAN, world_size=3)
+    assert report.warnings == () and report.notes == report.lints != ()
+
+
+def _words(text: str) -> set:
+    """The words of ``text``: what the table may wrap between (spaces, commas, brackets, '='), never inside."""
+    return {w for line in text.splitlines() for w in re.findall(r"[^ ,(\[=]+", line)}
+
+
+def test_wide_at_any_width_wraps_between_words_never_inside_one(capsys):
+    _llama("--wide", "--width", "0")
+    whole = capsys.readouterr().out
+    for width in ("40", "60", "80"):  # under 70 the longest words overflow: wider, not cut
+        _llama("--wide", "--width", width)
+        wrapped = capsys.readouterr().out
+        assert _words(wrapped) <= _words(whole), _words(wrapped) - _words(whole)
+        assert max(map(len, wrapped.splitlines())) <= max(int(width), 70)

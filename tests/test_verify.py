@@ -134,7 +134,7 @@ def test_a_rank_that_raises_is_reported_with_its_rank_and_module():
     assert report.failure == ("rank 1: the forward failed in '1' (Picky): ValueError: three "
                               "features are not enough")
     assert "raise ValueError" in report.trace
-    assert str(report).splitlines()[1] == f"FAILED: {report.failure}"
+    assert report.text(None).splitlines()[1] == f"FAILED: {report.failure}"  # (str: wrapped at 80)
 
 
 class Stuck(nn.Module):
@@ -182,3 +182,15 @@ def test_the_command_line_exits_1_with_the_problems_of_a_plan_that_cannot_apply(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("tpfn verify: ") and "'attn.qvk'" in captured.err
+
+
+def test_the_report_fits_80_columns_and_says_each_repeated_block_once(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["verify", "examples.llama:Llama", "examples.llama:llama_plan", "--input", "2,16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80 and lines[2] == "ok: every output and parameter gradient agrees with one device"
+    rows = [line for line in lines if line.startswith("blocks.")]
+    assert rows[0].startswith("blocks.* (Block) x2") and len(rows) == 12  # the block and its 11 modules, once
+    assert any(line.startswith("blocks.*.attn.o") for line in rows)
+    report = tpfn.verify(fused(), FUSED, (2, 6))  # the culprit keeps its own line
+    assert [line for line in str(report).splitlines() if "<- diverges here" in line][0].startswith("attn (FusedGQA)")

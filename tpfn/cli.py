@@ -10,8 +10,9 @@ input's name (--input input_ids=1,256), the input's own dtype (8,16:float32; --d
 others) and grad for an input that needs a gradient (8,16:float32:grad), whose gradient's
 collectives the backward then shows. The table fits the terminal (--width N; --wide: every
 parameter and slot, as wide as it takes), --json prints the report's to_dict(), --html FILE
-writes the page (--baseline PLAN: beside another plan, loaded as PLAN is). A plan that cannot
-work prints its problems to standard error and exits with 1 (--traceback: the Python
+writes the page (--baseline PLAN: beside another plan, loaded as PLAN is). A lint that warns
+the numbers would be wrong makes the exit status 1 (notes of a cost do not). A plan that
+cannot work prints its problems to standard error and exits with 1 (--traceback: the Python
 traceback, down to the line that failed).
 
 >>> main(["explain", "torch.nn:Identity", "tpfn:identity", "--world-size", "2", "--width", "80"])
@@ -45,7 +46,7 @@ import torch.nn as nn
 
 from tpfn.dryrun import explain
 from tpfn.dryrun.explain import ExampleInput
-from tpfn.dryrun.report import MIN_WIDTH
+from tpfn.dryrun.table import MIN_WIDTH, prose
 from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError
 
@@ -234,6 +235,8 @@ def _parser() -> argparse.ArgumentParser:
     _model_plan_inputs(v, "8,1024", dict(type=int, default=2, help="ranks (2)"))
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
+    v.add_argument("--width", type=_width, metavar="N",
+                   help=f"columns of the report (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
     for command in (p, v):
         command.add_argument("--traceback", action="store_true",
                              help="on an error, the Python traceback down to the line that failed")
@@ -322,10 +325,29 @@ def _verify(args, model, plan) -> int:
     except (PlanError, ValueError, TypeError) as e:
         if args.traceback:
             raise
-        print(f"tpfn verify: {e}", file=sys.stderr)
+        _problems("tpfn verify: ", e, _columns(args))
         return 1
-    print(report)
+    print(report.text(_columns(args)))
     return 0 if report.ok else 1
+
+
+def _columns(args) -> int | None:
+    """The width to print at: --width (0: no limit), else the terminal's (--wide: no limit)."""
+    if args.width is not None:
+        return args.width or None
+    return None if getattr(args, "wide", False) else max(MIN_WIDTH, shutil.get_terminal_size().columns)
+
+
+def _problems(prefix: str, error: Exception, width: int | None) -> None:
+    """An error on standard error, its list of problems (a ``PlanError``'s) wrapped to ``width``."""
+    head, *rest = str(error).split("\n")
+    problems = getattr(error, "problems", None)
+    lines = prose(prefix + head, width)
+    if problems is not None and len(rest) == len(problems):
+        lines += [line for p in problems for line in prose(p, width, "  - ", "    ")]
+    else:
+        lines += rest
+    print("\n".join(lines), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -365,19 +387,16 @@ def main(argv=None) -> int:
         except (PlanError, ValueError, TypeError) as e:
             if args.traceback:
                 raise
-            print(f"tpfn explain: {which}{e}", file=sys.stderr)
+            _problems(f"tpfn explain: {which}", e, _columns(args))
             return 1
     report = reports[0]
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-    elif args.width is not None:  # 0: no limit
-        print(report.text(args.width or None, wide=args.wide))
     else:
-        width = None if args.wide else max(MIN_WIDTH, shutil.get_terminal_size().columns)
-        print(report.text(width, wide=args.wide))
+        print(report.text(_columns(args), wide=args.wide))
     if args.html:
         page = report.to_html() if baseline is None else report.to_html(
             reports[1], name=args.plan, baseline_name=args.baseline)
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(page)
-    return 0
+    return 1 if report.warnings else 0

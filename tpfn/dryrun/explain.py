@@ -279,8 +279,10 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
     symbol = shown if isinstance(shown, sympy.Basic) else None
-    lints = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
-             *lint.fused(model, n, mounts), *lint.uneven(rows, n), *lint.siblings(model, rows)]
+    wrong = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
+             *lint.fused(model, n, mounts)]  # the warnings; then the notes
+    lints = [*wrong, *lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n),
+             *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
     comms, seen, slots, kept, work = _run(model, mounts, lints, n, args, kwargs, values,
                                           blocks[0] if blocks else None) if ran else ([], {}, None, None, ())
@@ -294,7 +296,8 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)
     megatron = Megatron(blocks, _tokens(examples[0][1]), *seen[None]) if None in seen and examples else None
-    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept, work)
+    return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept, work,
+                  warnings=tuple(wrong))
 
 
 def _monomial(sizes: list, runs: list, symbols: list, what: str):

@@ -98,7 +98,7 @@ figure.pic svg { display: block; } figure.pic svg text { font: 600 11px system-u
 figcaption { color: var(--muted); font-size: 11.5px; max-width: 210px; }
 figcaption span { display: block; }
 .arrow { margin: 8px 14px 0 0; color: var(--muted); font-size: 18px; }
-.lints li { color: #9a3412; }
+.lints li.warning { color: #b42318; font-weight: 600; } .lints li.note { color: #9a3412; }
 .better { color: #067647; } .worse { color: #b42318; }
 """
 
@@ -436,7 +436,9 @@ def html(report, baseline=None, *, name: str = "this plan", baseline_name: str =
     """The page of ``report`` (with ``baseline``, another plan's report, side by side)."""
     shares, held = figures.sharded(report), figures.held(report)
     slots = {j: f.slot for f in report.flows for j in (*f.forward, *f.backward)}
-    lints = "".join(f"<li>{escape(lint)}</li>" for lint in report.lints)
+    lints = "".join(f'<li class="{"warning" if lint in report.warnings else "note"}">'
+                    f'{"warning" if lint in report.warnings else "note"}: {escape(lint)}</li>'
+                    for lint in report.lints)
     totals = "".join(f"<tr><td>{escape(label)}</td><td>{escape(text)}</td></tr>"
                      for label, text in report.totals())
     return (

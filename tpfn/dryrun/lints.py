@@ -1,19 +1,28 @@
 """Lints: what in a parallelized module works badly or not at all, found before it runs.
 
 Each function takes the rows of a report (``tpfn.report.Row``) or the parallelized module
-and returns sentences; repeated blocks say it once, with their count.
+and returns sentences; repeated blocks say it once, with their count. They come in two
+severities: a *warning* says the numbers would be wrong (``tpfn explain`` then exits 1), a
+*note* that it works, at a cost in memory or bytes.
 
-- ``uneven``: a sharded parameter dim the mesh size does not divide;
+Warnings:
+
 - ``heads``: column-wise projections with fewer heads (or KV heads) than ranks, or a head
-  count the mesh size does not divide; KV heads replicated over groups of ranks
-  (``colwise(heads=h)``), explained with the bytes their gradients' sums move;
+  count the mesh size does not divide;
 - ``head_counts``: a module that holds the global head count of the column-wise projections
   whose local shards it reshapes (``view(B, T, self.n_head, -1)`` is then silently wrong),
   or the query heads per KV head where KV heads are replicated (``num_key_value_groups``);
 - ``fused``: a fused q, k, v projection whose parts ``colwise()`` cuts across (the fix:
-  ``colwise(parts=(q, k, v))``);
-- ``siblings``: parameters left unsharded where a sibling of the same shape shards them;
-- ``failure``: where a dry run failed, with a hint for the usual causes.
+  ``colwise(parts=(q, k, v))``).
+
+Notes:
+
+- ``replicated_heads``: KV heads replicated over groups of ranks (``colwise(heads=h)``),
+  explained with the bytes their gradients' sums move;
+- ``uneven``: a sharded parameter dim the mesh size does not divide;
+- ``siblings``: parameters left unsharded where a sibling of the same shape shards them.
+
+And ``failure``: where a dry run failed, with a hint for the usual causes.
 
 A dry run at a symbolic world size runs at stand-in sizes; ``shown`` (the symbol) makes the
 sentences name the stand-in (``the 4 ranks (the stand-in world size t=4)``).
@@ -29,8 +38,8 @@ import torch.nn as nn
 from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
 
-__all__ = ["uneven", "heads", "head_counts", "fused", "siblings", "failure", "failing_module",
-           "local_colwise"]
+__all__ = ["uneven", "heads", "replicated_heads", "head_counts", "fused", "siblings", "failure",
+           "failing_module", "local_colwise"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -147,10 +156,7 @@ def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
 
 def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
     """Column-wise projections of an attention module whose heads (or KV heads) the ranks
-    cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``. KV
-    heads that ``colwise(heads=h)`` replicates over groups of ranks are explained instead:
-    each group holds one head, and the gradients of its copies are summed at the end of the
-    backward.
+    cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``.
 
     >>> from tpfn.dryrun import fake_mesh
     >>> attention = nn.Module()
@@ -163,6 +169,19 @@ def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
     ``colwise(heads=h)``: a query head held twice would be summed twice by the output
     projection.
     """
+    return _once([(key, sentence) for replicated, key, sentence in _head_findings(
+        module, world_size, mounts, shown) if not replicated])
+
+
+def replicated_heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
+    """KV heads that ``colwise(heads=h)`` replicates over groups of ranks, explained: each
+    group holds one head, and the gradients of its copies are summed at the end of the backward."""
+    return _once([(key, sentence) for replicated, key, sentence in _head_findings(
+        module, world_size, mounts, shown) if replicated])
+
+
+def _head_findings(module: nn.Module, world_size: int, mounts: dict, shown) -> list:
+    """``(replicated, key, sentence)`` of every attention module's column-wise heads."""
     found = []
     for fqn, sub in module.named_modules():
         counts = _heads(sub, fqn, mounts)
@@ -175,7 +194,7 @@ def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
                     continue
                 params = [(name, p) for name in names for p, _ in mounts[join(fqn, name)].params]
                 numel = sum(sub.get_submodule(name).get_parameter(p).numel() for name, p in params)
-                found.append((generalize(fqn) + str(n) + "r", (
+                found.append((True, generalize(fqn) + str(n) + "r", (
                     f"{who} replicate{'' if many else 's'} {n} heads of {sub.head_dim} features over "
                     f"{ranks}: each head is held by a group of {world_size // n} ranks (colwise(heads={n})), "
                     "whose copies each see their own ranks' query heads, so at the end of the backward the "
@@ -193,9 +212,9 @@ def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
                            f"size that divides {n}")
             else:
                 continue
-            found.append((generalize(fqn) + str(n), f"{who} project{'' if many else 's'} {n} heads of "
+            found.append((False, generalize(fqn) + str(n), f"{who} project{'' if many else 's'} {n} heads of "
                           f"{sub.head_dim} features: {problem}."))
-    return _once(found)
+    return found
 
 
 def _global(sub, fqn, module, value, kv, widths, size):

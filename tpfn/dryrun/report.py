@@ -13,9 +13,6 @@ collective really moved; they are sympy expressions where sizes were given as sy
 
 from __future__ import annotations
 
-import functools
-import itertools
-import textwrap
 from collections import Counter
 
 import attrs
@@ -24,6 +21,7 @@ import sympy
 from tpfn._fqn import generalize
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
 from tpfn.dryrun.html import html
+from tpfn.dryrun.table import EMPTY, MIN_WIDTH, cell, flow, prose, render
 from tpfn.dryrun.units import fmt_bytes, fmt_ranks, fmt_ratio, fmt_shape, summary
 from tpfn.layout import Placement, Replicate, Shard
 from tpfn.style.style import Style
@@ -190,7 +188,8 @@ class Megatron:
 @attrs.frozen
 class Report:
     """What ``tpfn.explain`` found: a row per module, the collectives in the order they ran
-    (the forward's, then the backward's), and the lints; ``flows``: what each slot handed on
+    (the forward's, then the backward's), and the lints (``warnings``: those that say the numbers
+    would be wrong, first; ``notes``: the others, a cost); ``flows``: what each slot handed on
     and which collectives it ran; ``partial_grads``: the parameters whose partial gradients
     are summed at the end of the backward (in the collectives of no module); ``kept``: the
     bytes of the tensors autograd saved for the backward on rank 0 (its activations; the
@@ -220,6 +219,12 @@ class Report:
     kept: int | sympy.Expr | None = None
     work: tuple = ()
     step: object = None  # a tpfn.dryrun.cost.StepTime
+    warnings: tuple = ()
+
+    @property
+    def notes(self) -> tuple:
+        """The lints that are not warnings: what works, at a cost in memory or bytes."""
+        return tuple(lint for lint in self.lints if lint not in self.warnings)
 
     @property
     def collectives(self) -> dict:
@@ -302,6 +307,7 @@ class Report:
             "step_time_s": None if self.step is None else {
                 "forward": attrs.asdict(self.step.forward), "backward": attrs.asdict(self.step.backward),
                 "optimizer": self.step.optimizer, "total": self.step.total},
+            "warnings": list(self.warnings),
         }
 
     def to_html(self, baseline: Report | None = None, *, name: str = "this plan",
@@ -387,37 +393,6 @@ class Report:
         return self.text()
 
 
-MIN_WIDTH = 40
-_GAP = "  "
-_MORE = "  "  # the indent of a cell's continuation lines
-_EMPTY_CELL = ("", ())  # an empty cell
-
-
-def _tokens(text: str) -> list:
-    """The pieces a cell may wrap between: words outside brackets, an operator (``>>``,
-    ``->``) kept with the value after it."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += (ch in "([{") - (ch in ")]}")
-        if ch == " " and depth == 0:
-            out.append(text[start:i])
-            start = i + 1
-    out.append(text[start:])
-    glued: list = []
-    for tok in out:
-        if glued and glued[-1] in (">>", "->", "|"):
-            glued[-1] += " " + tok
-        elif tok:
-            glued.append(tok)
-    return glued
-
-
-def _cell(text: str) -> tuple:
-    """``(indent, tokens)`` of a cell's text."""
-    body = text.lstrip(" ")
-    return text[:len(text) - len(body)], _tokens(body)
-
-
 def _traffic_cells(traffic: dict, fqn) -> list:
     """The forward and backward cells of module ``fqn``: ``1 all_reduce``, ``28.0 KiB;``, ..."""
     cells = []
@@ -429,133 +404,17 @@ def _traffic_cells(traffic: dict, fqn) -> list:
     return cells
 
 
-_PENALTY = {" ": 0, ",([": 3, "=": 4, "": 20}  # a token split at a space, a comma or bracket, a letter
-
-
-def _split(token: str, room: int, rest: int, cuts: list) -> list:
-    """A token longer than ``room`` in pieces (``rest`` wide after the first): after a space
-    where one fits, else after a comma, bracket or ``=``, else where the room ends; the
-    kind of each cut in ``cuts``."""
-    pieces = []
-    while len(token) > room:
-        depth, after = 0, []
-        for ch in token[:room + 1]:
-            depth += (ch in "([{") - (ch in ")]}")
-            after.append(depth)
-        for marks in (" ", ",([", "=", ""):
-            cut = min(((after[i], -(i + 1)) for i, ch in enumerate(token[:room + (marks == " ")])
-                       if ch in marks and i + 1 >= room // 3), default=None) if marks else (0, -room)
-            if cut is not None:
-                cut = -cut[1]
-                break
-        cuts.append(marks)
-        pieces.append(token[:cut].rstrip())
-        token, room = token[cut:].lstrip(), rest
-    return pieces + [token] if token else pieces
-
-
-def _wrap(cell: tuple, width: int | None, cuts: list | None = None) -> list:
-    """The lines of a cell in a column ``width`` wide (None: one line)."""
-    indent, tokens = cell
-    if width is None or len(indent) + len(" ".join(tokens)) <= width:
-        return [indent + " ".join(tokens)]
-    more = indent + _MORE if len(indent + _MORE) < width // 2 else ""
-    lines: list = []
-    for tok in tokens:
-        if lines and len(lines[-1]) + 1 + len(tok) <= width:
-            lines[-1] += " " + tok
-            continue
-        prefix = more if lines else indent
-        pieces = _split(tok, width - len(prefix), width - len(more), [] if cuts is None else cuts)
-        lines += [(prefix if i == 0 else more) + piece for i, piece in enumerate(pieces)]
-    return lines or [indent]
-
-
-def _fit(rows: list, width: int | None) -> list:
-    """The widths of the columns of ``rows`` (cells as ``(indent, tokens)``) within ``width``:
-    each its natural width where all fit, else narrowed one column at a time where it costs
-    the fewest lines and split tokens."""
-    n = len(rows[0])
-    widths = [max(len(_wrap(r[c], None)[0]) for r in rows) for c in range(n)]
-    budget = None if width is None else width - len(_GAP) * (n - 1)
-    if budget is None or sum(widths) <= budget:
-        return widths
-    floor = max(6, budget // (2 * n))
-
-    @functools.cache
-    def cost(c, w):  # per row: (lines, penalty of the split tokens)
-        found = []
-        for r in rows:
-            cuts: list = []
-            found.append((len(_wrap(r[c], w, cuts)), sum(_PENALTY[k] for k in cuts)))
-        return found
-
-    def total(ws):
-        columns = [cost(c, w) for c, w in enumerate(ws)]
-        return sum(max(col[i][0] for col in columns) + sum(col[i][1] for col in columns)
-                   for i in range(len(rows)))
-
-    while sum(widths) > budget:
-        narrower = [(total([*widths[:c], widths[c] - 1, *widths[c + 1:]]), -widths[c], c)
-                    for c in range(n) if widths[c] > floor]
-        if not narrower:
-            break
-        widths[min(narrower)[2]] -= 1
-    return widths
-
-
-def _render(rows: list, width: int | None) -> list:
-    widths, out = _fit(rows, width), []
-    for row in rows:
-        cells = [_wrap(cell, w) for cell, w in zip(row, widths)]
-        out += [_GAP.join(c.ljust(w) for c, w in zip(line, widths)).rstrip()
-                for line in itertools.zip_longest(*cells, fillvalue="")]
-    return out
-
-
-def _flow(text: str, width: int | None, first: str = "", more: str = "  ") -> list:
-    """A line of prose in lines of at most ``width``, broken after a ``;`` where one fits,
-    else between words."""
-    if width is None or len(first + text) <= width:
-        return [first + text]
-    chunks = [c + ";" for c in text.split("; ")]
-    chunks[-1] = chunks[-1][:-1]
-    lines = [first]
-    for chunk in chunks:
-        pad = "" if lines[-1] in (first, more) else " "
-        if len(lines[-1]) + len(pad) + len(chunk) <= width:
-            lines[-1] += pad + chunk
-            continue
-        if lines[-1] not in (first, more):
-            lines.append(more)
-        for word in chunk.split(" "):
-            pad = "" if lines[-1] in (first, more) else " "
-            if len(lines[-1]) + len(pad) + len(word) > width and lines[-1] not in (first, more):
-                lines.append(more)
-                pad = ""
-            lines[-1] += pad + word
-    return lines
-
-
-def _prose(text: str, width: int | None, first: str = "", more: str = "  ") -> list:
-    """A sentence in lines of at most ``width``, broken between words."""
-    if width is None:
-        return [first + text]
-    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=more,
-                         break_on_hyphens=False)
-
-
 def _module_lines(row: Row, traffic: dict, wide: bool) -> list:
-    style, moved = _cell("" if row.style is None else repr(row.style)), _traffic_cells(traffic, row.fqn)
+    style, moved = cell("" if row.style is None else repr(row.style)), _traffic_cells(traffic, row.fqn)
     if not wide:
         return [[None, style, *moved]]
-    lines = [[None, style, _EMPTY_CELL, *moved]]
+    lines = [[None, style, EMPTY, *moved]]
     for p in row.params:
-        lines.append([_cell(f"  {p.name}"), _cell("-" if p.placement is None else repr(p.placement)),
-                      _cell(p.text), _EMPTY_CELL, _EMPTY_CELL])
+        lines.append([cell(f"  {p.name}"), cell("-" if p.placement is None else repr(p.placement)),
+                      cell(p.text), EMPTY, EMPTY])
     for t in row.transitions:
-        lines.append([_cell(f"  {t.slot}"), _cell(f"{t.given!r} -> {t.desired!r}"),
-                      _cell(", ".join(map(repr, t.steps)) or "-"), _EMPTY_CELL, _EMPTY_CELL])
+        lines.append([cell(f"  {t.slot}"), cell(f"{t.given!r} -> {t.desired!r}"),
+                      cell(", ".join(map(repr, t.steps)) or "-"), EMPTY, EMPTY])
     return lines
 
 
@@ -569,17 +428,18 @@ def _table(report: Report, width: int | None, wide: bool) -> list:
         key = (generalize(row.fqn), row.type, str([line[1:] for line in full]))
         groups.setdefault(key, [row, _module_lines(row, traffic, wide), 0])[2] += 1
     head = ["module", "style | layout", "global -> local | steps", "forward", "backward"]
-    cells = [[_cell(h) for h in (head if wide else [head[0], "style", *head[3:]])]]
+    cells = [[cell(h) for h in (head if wide else [head[0], "style", *head[3:]])]]
     for row, lines, n in groups.values():
         name = generalize(row.fqn) if n > 1 else (row.fqn or "<root>")
         lines[0][0] = ("", [name, f"({row.type})" + (f" x{n}" if n > 1 else "")])
         cells.extend(lines)
     if {(None, "forward"), (None, "backward")} & traffic.keys():
-        cells.append([("", ["(outside every module)"]), _EMPTY_CELL, *([_EMPTY_CELL] if wide else []),
+        cells.append([("", ["(outside every module)"]), EMPTY, *([EMPTY] if wide else []),
                       *_traffic_cells(traffic, None)])
-    out = [*_prose(report.title(), width), "", *_render(cells, width), ""]
-    out += [line for label, text in report.totals() for line in _flow(f"{label}: {text}", width)]
-    if report.lints:
-        out += ["", "lints:", *(line for lint in report.lints
-                                for line in _prose(lint, width, "  - ", "    "))]
+    out = [*prose(report.title(), width), "", *render(cells, width), ""]
+    out += [line for label, text in report.totals() for line in flow(f"{label}: {text}", width)]
+    for title, lints in (("warnings (the numbers would be wrong):", report.warnings),
+                         ("notes:", report.notes)):
+        if lints:
+            out += ["", title, *(line for lint in lints for line in prose(lint, width, "  - ", "    "))]
     return out

@@ -24,6 +24,7 @@ from tpfn.dryrun.explain import floats, split_inputs, tensors
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
 from tpfn.dryrun.lints import failing_module, local_colwise
+from tpfn.dryrun.table import MIN_WIDTH, cell, prose, render
 from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
@@ -84,29 +85,52 @@ class Verification:
     def ok(self) -> bool:
         return self.failure is None and not any(c.diverges(self.tolerance) for c in self.checks)
 
-    def __str__(self) -> str:
+    def text(self, width: int | None = 80) -> str:
+        """The report for a terminal ``width`` columns wide (None: no limit): the outcome, then a
+        line per module (repeated blocks once, with their count and their worst errors; the
+        module that diverges first on its own) with its style, the relative error of its output
+        and the worst of its parameters' gradients. ``str(report)`` is ``report.text()``."""
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < MIN_WIDTH):
+            raise ValueError(f"'width' must be None (no limit) or at least {MIN_WIDTH} columns (got {width!r}).")
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
-        lines = [f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
-                 f"tolerance {self.tolerance:g} (relative)"]
-        if self.failure is not None:
-            lines.append(f"FAILED: {self.failure}")
-        elif self.ok:
-            lines.append("ok: every output and parameter gradient agrees with one device")
-        else:
-            lines.append(f"DIVERGES: {self.hint}")
-        lines += [f"note: {note}" for note in self.notes]
+        lines = prose(f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
+                      f"tolerance {self.tolerance:g} (relative)", width)
+        outcome = (f"FAILED: {self.failure}" if self.failure is not None else
+                   "ok: every output and parameter gradient agrees with one device" if self.ok else
+                   f"DIVERGES: {self.hint}")
+        lines += prose(outcome, width)
+        lines += [line for note in self.notes for line in prose(f"note: {note}", width)]
         if self.checks:
-            table = [("module", "style", "output", "gradients")]
-            for c in self.checks:
-                worst = max((g for g in c.grads if g[1] is not None), key=lambda g: g[1], default=None)
-                grads = "-" if worst is None else f"{_fmt(worst[1])} {worst[0]}"
-                mark = "  <- diverges here" if c.fqn == self.culprit else ""
-                table.append((f"{c.fqn or '<root>'} ({c.kind})", "-" if c.style is None else repr(c.style),
-                              _fmt(c.output) if c.ran else "not run", grads + mark))
-            widths = [max(len(row[i]) for row in table) for i in range(3)]
-            lines.append("")
-            lines += ["  ".join([*(r[i].ljust(widths[i]) for i in range(3)), r[3]]).rstrip() for r in table]
+            rows = [[cell("module"), cell("style"), cell("output"), cell("gradients")]]
+            for name, n, group in _groups(self.checks, self.culprit):
+                c = group[0]
+                outputs = [g.output for g in group if g.ran and g.output is not None]
+                worst = max((g for c_ in group for g in c_.grads if g[1] is not None),
+                            key=lambda g: g[1], default=None)
+                grads = ["-"] if worst is None else [_fmt(worst[1]), worst[0]]
+                mark = ["<- diverges here"] if c.fqn == self.culprit else []
+                rows.append([("", [name, f"({c.kind})" + (f" x{n}" if n > 1 else "")]),
+                             cell("-" if c.style is None else repr(c.style)),
+                             cell(_fmt(max(outputs)) if outputs else "-" if any(g.ran for g in group)
+                                  else "not run"),
+                             ("", grads + mark)])
+            lines += ["", *render(rows, width)]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def _groups(checks, culprit) -> list:
+    """``(name, count, checks)`` of each line of the table: the checks of one repeated block
+    (same generalized FQN, kind, style and whether it ran) together, the culprit alone."""
+    groups: dict = {}
+    for c in checks:
+        alone = c.fqn if c.fqn == culprit else None
+        key = (generalize(c.fqn), c.kind, repr(c.style), c.ran, alone)
+        groups.setdefault(key, []).append(c)
+    return [(generalize(g[0].fqn) if len(g) > 1 else (g[0].fqn or "<root>"), len(g), g)
+            for g in groups.values()]
 
 
 def _fmt(e: float | None) -> str:
