@@ -6,6 +6,7 @@ ended by its process group when it outlasts its time.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,22 @@ def test_lightning_fabric_with_tpfn_as_parallelize_fn_matches_one_process(ranks2
     # ModelParallelStrategy(parallelize_fn=...) on CPU: main() raises SystemExit where the
     # loss curve leaves the one-process one.
     ranks2.run(_under_torchrun, "train_lightning", 1)
+
+
+def test_the_recipes_on_the_docs_page_are_lines_of_the_examples_these_tests_run():
+    # docs/integrations.md and README.md quote the examples in ```py blocks (they need
+    # torchrun's processes, not the docs' shared ranks): every line quoted is one they run.
+    page = ""
+    for name in (os.path.join("docs", "integrations.md"), "README.md"):
+        with open(os.path.join(ROOT, name)) as f:
+            page += f.read()
+    lines = set()
+    for name in ("train_hf.py", "train_lightning.py"):
+        with open(os.path.join(EXAMPLES, name)) as f:
+            lines |= {line.strip() for line in f}
+    quoted = [line.strip() for block in re.findall(r"^```py\n(.*?)^```", page, re.S | re.M)
+              for line in block.splitlines()]
+    assert len(quoted) > 25 and [line for line in quoted if line not in lines] == []
 
 
 # -- the causal-LM loss and what for_accelerate checks, on the shared ranks ---------------------
