@@ -23,7 +23,7 @@ from tests.test_examples import EXAMPLES
 ROOT = os.path.dirname(EXAMPLES)
 
 
-def _script(*args, timeout: float = 240) -> str:
+def _script(*args, timeout: float = 480) -> str:
     """Run ``examples/<args>`` as a user would; its output, or the failure with it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
