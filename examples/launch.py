@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,12 @@ def _worker(rank: int, world_size: int, port: int, main, args) -> None:
         main(*args)
     finally:
         dist.destroy_process_group()
+    # Done and shut down: leave now. The interpreter's own teardown can abort a spawned rank that
+    # accelerate's or FSDP's libraries left threads in ("terminate called without an active
+    # exception", now and then, after every result was checked), which would fail a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(main, nprocs: int, *args) -> None:
