@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 import tpfn
 from tests.models import clone, one_step, rel_err
 from tests.ranks import mesh
-from tpfn import PlanError, Replicate, colwise, prepare_in, rowwise
+from tpfn import PlanError, Replicate, colwise, per_rank, prepare_in, rowwise
 
 # float64 references: rounding ~1e-16 relative; 1e-12 leaves room for sums reordered over 4 ranks.
 TOL = 1e-12
@@ -133,9 +133,9 @@ def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads(t):
             f"end of the backward the gradients of the 2 replicated parameters (2097152 elements "
             f"per rank) are summed within each group, in one all-reduce (and 79 more like it).") \
         in report.lints
-    groups = f"num_key_value_groups = {64 // t}"
     assert any("holds num_key_value_groups = 8, the query heads per KV head of the whole model" in
-               lint and f"or set {groups} on the parallelized model" in lint for lint in report.lints)
+               lint and f"hold the local ratio ({64 // t}) with per_rank('num_key_value_groups', "
+               "per_head=8) in its style" in lint for lint in report.lints)
 
 
 def test_more_ranks_than_kv_heads_under_plain_colwise_is_linted_with_the_fix():
@@ -194,8 +194,8 @@ def test_an_attention_that_repeats_kv_by_the_global_ratio_is_named():
             "1 KV head, so repeating the KV heads by num_key_value_groups (transformers' eager "
             "attention, or its sdpa with a mask) makes 2 KV heads for 1; take the ratio from the "
             "local shapes (q.shape[1] // k.shape[1]), as transformers' sdpa does without a mask "
-            "(enable_gqa), or set num_key_value_groups = 1 on the parallelized model (and 1 more "
-            "like it).") in e.value.problems
+            "(enable_gqa), or hold the local ratio (1) with per_rank('num_key_value_groups', "
+            "per_head=2) in its style (and 1 more like it).") in e.value.problems
 
 
 # Checkpoints: the weights are DTensors of their true global shape, so both paths hold them.
@@ -277,7 +277,11 @@ def test_a_module_that_views_by_the_global_kv_head_count_is_named():
         "'<root>' (Module) holds num_key_value_heads = 2, the global KV head count of 'k', whose "
         "colwise(heads=2) hands on local shards: each of the 4 ranks holds 1 of the 2 heads (each "
         "held by 2 ranks), so a view by num_key_value_heads heads (view(B, T, "
-        "self.num_key_value_heads, -1)) makes heads of the wrong size, silently; view with -1 "
-        "heads of the head size.")
+        "self.num_key_value_heads, -1)) makes heads of the wrong size, silently; hold the local "
+        "count (1) with per_rank('num_key_value_heads', heads=2) in its style, view with -1 heads "
+        "of the head size.")
+    held = tpfn.explain(attention, {"": per_rank("num_key_value_heads", heads=2), "q": colwise(),
+                                    "k": colwise(heads=2)}, world_size=4)
+    assert held.lints == report.lints[:1]   # the replicated heads' gradient sums, said once
     assert report.lints[0].startswith("'k' of '<root>' (Module) replicates 2 heads of 8 features "
                                       "over the 4 ranks: each head is held by a group of 2 ranks")

@@ -80,7 +80,7 @@ class Runtime:
         self.ctx = Context(mount.where, mount.names or (), self.grads, state.shapes, self.cache)
         # its parameters' gradients are partial sums: a backward through its output sums them at its end
         self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
-        self.sizes = tuple((*path.rpartition(".")[::2], v) for path, v in local_sizes(mount, module, mesh.size())[0])
+        self.sizes = tuple((*path.rpartition(".")[::2], v) for path, _, v in local_sizes(mount, module, mesh.size())[0])
 
     def __call__(self, *args, **kwargs):
         if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:

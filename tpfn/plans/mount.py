@@ -208,9 +208,9 @@ def _held(module: nn.Module, path: str):
 
 
 def local_sizes(mount: Mount, module: nn.Module, n: int) -> tuple:
-    """``(((path, per-rank value), ...), problems)``: the values ``mount``'s attributes hold in
-    ``module``'s forward on ``n`` ranks, read now, and why ``n`` ranks cannot hold some (its
-    per-head inputs' heads included)."""
+    """``(((path, global value, per-rank value), ...), problems)``: the values ``mount``'s
+    attributes hold in ``module``'s forward on ``n`` ranks, read now, and why ``n`` ranks cannot
+    hold some (its per-head inputs' heads included)."""
     values, found = [], []
     for path, rule in mount.sizes:
         value, d = _held(module, path), rule.divisor(n)
@@ -223,7 +223,7 @@ def local_sizes(mount: Mount, module: nn.Module, n: int) -> tuple:
             found.append(f"{rule!r} at {mount.where}: {path} = {value} does not split {shares}; choose a mesh "
                          f"size that divides it, or leave {path!r} out of per_rank.")
         else:
-            values.append((path, value // d))
+            values.append((path, value, value // d))
     found += [f"per_rank(inputs={{{name!r}: {h}}}) at {mount.where}: the {h} heads of input {name!r} do "
               f"not split evenly over {n} ranks; choose a mesh size that divides {h}."
               for name, h in mount.per_head if h % n]
