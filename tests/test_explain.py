@@ -810,14 +810,20 @@ def test_hugging_face_attention_gets_no_head_lints():
         "'qkv_proj' of 'model.layers.0.self_attn' (Phi3Attention) fuses q, k and v of unequal "
         "sizes (4 heads and 2 + 2 KV heads of 8 features: 32 + 16 + 16 = 64 features), and "
         "colwise() cuts its output into 2 contiguous shards of 32 features")
-    # GPT-2 holds num_heads and head_dim, but its Conv1D projections take no colwise().
+    # GPT-2's Conv1D projections pack q, k and v: colwise() cuts across them, colwise(parts=3)
+    # does not, and the attention then holds its global head count.
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64,
                                       n_positions=16, eos_token_id=0, bos_token_id=0))
     gpt2_plan = {"transformer.wte": rowwise(), "lm_head": colwise() >> prepare_out(Replicate())}
     assert tpfn.explain(gpt2, gpt2_plan, world_size=2, example_inputs=(2, 8)).lints == ()
-    with pytest.raises(PlanError, match=r"it shards nn\.Linear, nn\.Embedding and "
-                                        r"nn\.MultiheadAttention, not Conv1D"):
-        tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)
+    assert tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2).lints[0].startswith(
+        "'c_attn' of 'transformer.h.0.attn' (GPT2Attention) fuses q, k and v (4 heads of 8 features "
+        "each: 3 x 32 = 96 features), and colwise() cuts its output into 2 contiguous shards")
+    packed = {"transformer.h.*.attn.c_attn": colwise(parts=3)}
+    assert "hold the local count (2) with per_rank('num_heads') in its style" in tpfn.explain(
+        gpt2, packed, world_size=2).lints[0]
+    held = {**packed, "transformer.h.*.attn": per_rank("num_heads", "split_size")}
+    assert tpfn.explain(gpt2, held, world_size=2).lints == ()
 
 
 def test_the_dry_run_takes_the_route_a_real_run_takes():

@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
+from tpfn.plans.kinds import Conv1D
 from tpfn.style.constructors import per_rank
 
 __all__ = ["uneven", "heads", "replicated_heads", "head_counts", "fused", "siblings", "failure",
@@ -100,11 +101,15 @@ def _config(module: nn.Module, fqn: str, names):
     return None
 
 
+def _out(child: nn.Module):
+    """The output features of a linear layer (``nn.Linear``, transformers' ``Conv1D``), else None."""
+    return child.out_features if isinstance(child, nn.Linear) else child.nf if isinstance(child, Conv1D) else None
+
+
 def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
-    """``[(name, child, core)]``: the nn.Linear children bound to colwise() with local shards."""
+    """``[(name, child, core)]``: the linear children bound to colwise() with local shards."""
     found = [(name, child, _shards(mounts, join(fqn, name))) for name, child in sub.named_children()]
-    return [(name, child, core) for name, child, core in found
-            if core is not None and isinstance(child, nn.Linear)]
+    return [(name, child, core) for name, child, core in found if core is not None and _out(child)]
 
 
 def _once(found: list) -> list:
@@ -133,9 +138,9 @@ def uneven(rows, world_size: int) -> list:
     return _once(found)
 
 
-def _widths(child: nn.Linear, core) -> tuple:
+def _widths(child: nn.Module, core) -> tuple:
     """The output features of each part a colwise() core packs in ``child``."""
-    return Shard(0, core.parts).sizes(child.out_features)
+    return Shard(0, core.parts).sizes(_out(child))
 
 
 def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
@@ -148,7 +153,7 @@ def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
     out: dict = {}
     for name, child in sub.named_children():
         core = local_colwise(mounts, join(fqn, name))
-        if core is None or not isinstance(child, nn.Linear):
+        if core is None or not _out(child):
             continue
         for width in dict.fromkeys(_widths(child, core)):
             if width % head_dim == 0:
@@ -360,7 +365,7 @@ def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
         q, total = heads * size, (heads + 2 * kv) * size
         right = (q, kv * size, kv * size)
         for name, child, core in children:
-            if child.out_features != total or Shard(0, core.parts).sizes(total) == right:
+            if _out(child) != total or Shard(0, core.parts).sizes(total) == right:
                 continue
             cut = (f"cuts its output into {world_size} contiguous shards of {total // world_size} "
                    "features, across q, k and v" if core.parts == 1 else
@@ -446,7 +451,7 @@ def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
         return None
     expected, got = map(int, counts.groups())
     name, child, core = next((c for c in children if c[2].parts == expected), children[0])
-    out, parts = child.out_features, len(_widths(child, core))
+    out, parts = _out(child), len(_widths(child, core))
     part = out // (parts if parts > 1 else expected)
     width = next((n for n, v in _held(sub, WIDTHS) if v == part), None)
     attr, hold = ("", "") if width is None else (f" ({width} = {part})", f" with {per_rank(width)!r} in its style")
