@@ -218,6 +218,16 @@ def test_values_are_restored_after_recursion_an_exception_and_an_interrupt():
         assert model.num_heads == 8 and model.seen[-1] == 4
 
 
+def test_an_attribute_changed_after_parallelize_is_named_not_divided_again():
+    model = tpfn.parallelize(Recursive(), fake_mesh(2), per_rank("num_heads"), src_rank=None)
+    model.num_heads = 6
+    with pytest.raises(tpfn.errors.ModuleError, match=r"^'<root>' \(Recursive\): num_heads is 6, not the 8 "
+                                                      r"whose per-rank value parallelize made 4; set it before "
+                                                      r"parallelize\.$"):
+        model(torch.ones(2))
+    assert model.num_heads == 6 and model.seen == []
+
+
 def test_what_ranks_cannot_hold_is_refused_by_name_before_anything_changes():
     model = Stack(heads=6)
     with pytest.raises(PlanError) as e:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from tpfn._fqn import describe, join
 from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
 from tpfn.algebra import cotangent, unpackable
-from tpfn.errors import PlanError, module_error
+from tpfn.errors import ModuleError, PlanError, module_error
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
 from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, per_head, placed_tensor,
                                     shard_params)
@@ -80,7 +80,7 @@ class Runtime:
         self.ctx = Context(mount.where, mount.names or (), self.grads, state.shapes, self.cache)
         # its parameters' gradients are partial sums: a backward through its output sums them at its end
         self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
-        self.sizes = tuple((*path.rpartition(".")[::2], v) for path, _, v in local_sizes(mount, module, mesh.size())[0])
+        self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
 
     def __call__(self, *args, **kwargs):
         if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:
@@ -92,9 +92,12 @@ class Runtime:
                 self.watch(f"input {name!r}", kwargs.get(name))
         group, held = None if torch.compiler.is_compiling() else self.ctx.group, []
         try:
-            for owner, name, value in self.sizes:  # its attributes hold their per-rank values (per_rank)
+            for owner, name, whole, value in self.sizes:  # its attributes hold their per-rank values (per_rank)
                 holder = operator.attrgetter(owner)(self.module) if owner else self.module
-                held.append((holder, name, getattr(holder, name)))
+                if (now := getattr(holder, name)) not in (whole, value):
+                    raise ModuleError(f"{self.mount.where}: {join(owner, name)} is {now!r}, not the {whole} whose "
+                                      f"per-rank value parallelize made {value}; set it before parallelize.")
+                held.append((holder, name, now))
                 setattr(holder, name, value)
             for name, heads in self.mount.per_head:  # the rows of its heads
                 args, kwargs = self._with(args, kwargs, name, lambda x: per_head(
