@@ -617,3 +617,16 @@ def test_from_hf_replicates_kv_heads_only_where_there_are_fewer_than_query_heads
     gqa = dict(from_hf(llama().tp_plan, llama()).rules)
     assert gqa["model.layers.*.self_attn.v_proj"] == colwise(heads=2)
     assert gqa["model.layers.*.mlp.up_proj"] == colwise()   # an MLP: no heads
+
+
+def test_transformers_conv1d_keyed_colwise_or_rowwise_is_sharded_by_its_features():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    p = from_hf({"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}, gpt2)
+    mounts = {m.fqn: m for m in tpfn.resolve(p, gpt2)}
+    assert mounts["transformer.h.0.mlp.c_fc"].params == (("bias", Shard(0)), ("weight", Shard(1)))  # (in, out)
+    assert mounts["transformer.h.0.mlp.c_proj"].params == (("bias", Replicate()), ("weight", Shard(0)))
+    with pytest.raises(PlanError, match=r"'transformer.h.0.attn' \(GPT2Attention\) is 'colwise', which "
+                                        r"transformers applies to Linear modules; this is GPT2Attention\."):
+        from_hf({"transformer.h.*.attn": "colwise"}, gpt2)

@@ -41,7 +41,7 @@ from tpfn._fqn import generalize, join, matches
 from tpfn.adapters.lora import is_lora, with_lora
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
-from tpfn.plans.kinds import meaning
+from tpfn.plans.kinds import Conv1D, meaning
 from tpfn.plans.mount import forward_names
 from tpfn.plans.plan import Plan, plan
 from tpfn.style.constructors import (
@@ -104,10 +104,14 @@ _LOCAL = ("local_colwise", "local_rowwise", "local_packed_rowwise")
 # Strings that shard a module column-wise from a replicated input (their parent may share it).
 _CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "mla_kv_a_proj")
 
+# The module kinds each string applies to: transformers' linears, and its Conv1D (GPT-2's,
+# weight stored (in, out)), which tpfn's colwise() and rowwise() shard by its output and input
+# features as they do a linear's (transformers' own styles would cut its weight's other dim).
+_LINEARS = (nn.Linear, Conv1D)
 _KINDS = {**dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
-                           "rowwise_split_input", "rowwise_rep", "packed_colwise", "mla_kv_a_proj"),
-                          nn.Linear),
-          **dict.fromkeys(("embedding_rowwise", "embedding_colwise"), nn.Embedding)}
+                           "rowwise_split_input", "rowwise_rep", "packed_colwise"), _LINEARS),
+          "mla_kv_a_proj": (nn.Linear,),
+          **dict.fromkeys(("embedding_rowwise", "embedding_colwise"), (nn.Embedding,))}
 
 # Strings whose meaning no tpfn style has: why, and what to do.
 UNSUPPORTED = dict.fromkeys(("grouped_gemm", "ep_router", "ep_dispatch_experts"), (
@@ -178,7 +182,7 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
         return params(**placed) >> on_shards() if local else params(**placed)
     if string in _KINDS and not isinstance(module, _KINDS[string]):
         found.append(f"{where} is {string!r}, which transformers applies to "
-                     f"{_KINDS[string].__name__} modules; this is {type(module).__name__}.")
+                     f"{_KINDS[string][0].__name__} modules; this is {type(module).__name__}.")
         return None
     rest = [n for n, _ in module.named_parameters(recurse=False) if n not in own]
     if string == "local" and rest:
