@@ -1,7 +1,8 @@
 """Hand-written tpfn plans for transformers models, the reference plans ``tpfn.suggest`` is held to.
 
 GPT-2, BERT, T5, OPT and BLOOM declare no tensor-parallel plan in transformers; Llama does, and
-its plan here is the one ``from_hf`` derives. Each plan is the Megatron pairing, written with
+its plan here is the one ``from_hf`` derives from it (its embedding, which has a padding index,
+spelled ``rowwise()``). Each plan is the Megatron pairing, written with
 the language alone (no hooks, nothing patched onto the modules):
 
 - q, k and v column-wise by heads, the output projection row-wise; the MLP's first layer

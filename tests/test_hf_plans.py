@@ -110,3 +110,13 @@ def test_the_plans_hold_no_hook_and_patch_nothing():
             assert "hook" not in repr(style)
         assert tpfn.resolve(hf_plans.PLANS[name], model)   # every rule binds something
         assert {k: v for k, v in vars(model).items()} == before
+
+
+def test_the_llama_plan_is_the_one_from_hf_derives_from_transformers_own():
+    model, _ = hf_plans.build("llama")
+    mine, theirs = ({m.fqn: m for m in tpfn.resolve(p, model)}
+                    for p in (hf_plans.PLANS["llama"], tpfn.from_hf(model.tp_plan, model)))
+    assert mine.keys() == theirs.keys()
+    # its embedding has a padding_idx: from_hf spells rowwise() as DTensor's own embedding
+    assert mine.pop("model.embed_tokens").params == theirs.pop("model.embed_tokens").params
+    assert {f: m.style for f, m in mine.items()} == {f: m.style for f, m in theirs.items()}

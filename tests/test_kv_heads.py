@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
 from tests.models import clone, one_step, rel_err
@@ -65,6 +66,26 @@ def test_two_kv_heads_at_tp4_equal_one_device(ranks4):
         # within each pair of ranks sums the 4 gradients of k_proj's and v_proj's copies
         assert backward == {"all_reduce": 2}
         assert all(str(g) == "(Shard(dim=0), Replicate())" for g in grads.values())
+
+
+def _two_models():
+    found = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        tp = tpfn.parallelize(GQA().double(), mesh(4), PLAN)
+        y = tp(torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True))
+        with CommDebugMode() as mode:
+            y.sum().backward()
+        own = all(p.grad.device_mesh is p.device_mesh for p in tp.parameters())
+        found.append((tpfn.trace.counts(mode), own))
+    return found
+
+
+def test_a_second_model_s_kv_gradients_live_on_its_own_view_of_the_mesh(ranks4):
+    # each model's 2-D view of the mesh is its own: DTensor's caches, which compare meshes by
+    # ranks and names, would otherwise hand the second model's gradients the first one's view
+    # (its process groups; where only some of them, their sums in two all-reduces)
+    assert ranks4.run(_two_models)[0] == [({"all_reduce": 2}, True)] * 2
 
 
 def _unchanged(model) -> bool:

@@ -224,7 +224,7 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
 def per_head(x, heads: int, mesh, what: str, cache: dict):
     """This rank's heads' rows of ``x``, replicated and laid out per head, ``(batch * heads, ...)``
     in dim 0 (``per_rank(inputs=...)``); its gradient is gathered back whole."""
-    if type(x) is not torch.Tensor or x.ndim == 0 or x.shape[0] % heads:
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.ndim == 0 or x.shape[0] % heads:
         shape = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise LayoutError(f"{what} is laid out per head, (batch * {heads}, ...) in dim 0, on every rank alike "
                           f"(per_rank(inputs=...)), but it is {'a DTensor' if isinstance(x, DTensor) else shape}; "
