@@ -326,3 +326,17 @@ def test_a_module_that_views_by_the_global_kv_head_count_is_named():
     assert held.lints == report.lints[:1]   # the replicated heads' gradient sums, said once
     assert report.lints[0].startswith("'k' of '<root>' (Module) replicates 2 heads of 8 features "
                                       "over the 4 ranks: each head is held by a group of 2 ranks")
+
+
+def test_gradient_hooks_on_kv_weights_are_refused_only_where_their_gradients_are_partial():
+    from tpfn.dryrun import fake_mesh
+
+    for n, refused in ((2, False), (4, True)):   # 2 KV heads: whole on 2 ranks, copies on 4
+        model, plan = _llama("sdpa")
+        model.model.layers[0].self_attn.k_proj.weight.register_hook(lambda g: g)
+        try:
+            tpfn.parallelize(model, fake_mesh(n), plan, src_rank=None)
+        except PlanError as e:
+            assert refused and "'model.layers.0.self_attn.k_proj.weight' has gradient hooks" in str(e)
+        else:
+            assert not refused

@@ -322,7 +322,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
     found += [why for m in bound for why in local_sizes(m, modules[m.fqn], mesh.size())[1]]
-    found += refusals(modules, bound)
+    found += refusals(modules, bound, mesh.size())
     if found + tied:
         raise PlanError(found + tied)
 
