@@ -314,18 +314,19 @@ def test_a_module_that_views_by_the_global_kv_head_count_is_named():
     attention.num_key_value_heads, attention.head_dim = 2, 8
     attention.q, attention.k = nn.Linear(16, 32), nn.Linear(16, 16)
     report = tpfn.explain(attention, {"q": colwise(), "k": colwise(heads=2)}, world_size=4)
-    assert report.lints[1] == (
+    assert report.warnings == ((
         "'<root>' (Module) holds num_key_value_heads = 2, the global KV head count of 'k', whose "
         "colwise(heads=2) hands on local shards: each of the 4 ranks holds 1 of the 2 heads (each "
         "held by 2 ranks), so a view by num_key_value_heads heads (view(B, T, "
         "self.num_key_value_heads, -1)) makes heads of the wrong size, silently; hold the local "
         "count (1) with per_rank('num_key_value_heads', heads=2) in its style, view with -1 heads "
-        "of the head size.")
+        "of the head size."),)
+    (note,) = report.notes  # a cost, not a wrong number
+    assert note.startswith("'k' of '<root>' (Module) replicates 2 heads of 8 features "
+                           "over the 4 ranks: each head is held by a group of 2 ranks")
     held = tpfn.explain(attention, {"": per_rank("num_key_value_heads", heads=2), "q": colwise(),
                                     "k": colwise(heads=2)}, world_size=4)
-    assert held.lints == report.lints[:1]   # the replicated heads' gradient sums, said once
-    assert report.lints[0].startswith("'k' of '<root>' (Module) replicates 2 heads of 8 features "
-                                      "over the 4 ranks: each head is held by a group of 2 ranks")
+    assert held.warnings == () and held.notes == report.notes   # the fix the warning names
 
 
 def test_gradient_hooks_on_kv_weights_are_refused_only_where_their_gradients_are_partial():
