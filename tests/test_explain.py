@@ -19,7 +19,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import tpfn
 from tests.models import clone, local_heads, transformer, transformer_plan
 from tests.ranks import mesh
-from tpfn import Partial, PlanError, Replicate, Shard, colwise, prepare_in, prepare_out, rowwise
+from tpfn import (Partial, PlanError, Replicate, Shard, colwise, per_rank, prepare_in, prepare_out,
+                  rowwise)
 from tpfn.algebra import AllGather, AllReduce
 from tpfn.dryrun import fake_mesh
 from tpfn.record import record
@@ -268,13 +269,14 @@ def test_the_classic_global_head_view_fails_at_its_module_with_a_hint():
         "the dry run's forward failed in 'layers.0.attention' (Attention): RuntimeError: shape "
         "'[2, 64, 64, 4]' is invalid for input of size 8192. Hint: 'layers.0.attention' reshapes "
         "the local outputs of its colwise() 'wq', 'wk', 'wv': each of the 4 ranks holds 1/4 of "
-        "their features (of the heads), so a view with the global head count fails; view with "
-        "the local count (heads // 4) or -1, or hand it DTensors with colwise(local=False).",
+        "their features (of the heads), so a view with the global head count fails; hold the local "
+        "count (heads // 4) with per_rank('n_heads') (the attribute it views by) in its style, view "
+        "with -1, or hand it DTensors with colwise(local=False).",
         "'layers.0.attention' (Attention) holds n_heads = 64, the global head count of 'wq', 'wk', "
         "'wv', whose colwise() hand on local shards: each of the 4 ranks holds 16 of the 64 heads, "
         "so a view by n_heads heads (view(B, T, self.n_heads, -1)) makes heads of the wrong size, "
-        "silently; view with the local count (n_heads // 4) or with -1 heads of the head size, or "
-        "hand it DTensors with colwise(local=False) (and 1 more like it)."]
+        "silently; hold the local count (16) with per_rank('n_heads') in its style, view with -1 "
+        "heads of the head size, or hand it DTensors with colwise(local=False) (and 1 more like it)."]
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
@@ -631,8 +633,8 @@ GLOBAL_N_HEAD = (
     "'transformer.h.0.attn' (CausalSelfAttention) holds n_head = 4, the global head count of "
     "'c_attn', whose colwise(parts=3) hands on local shards: each of the 2 ranks holds 2 of the 4 "
     "heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong "
-    "size, silently; view with the local count (n_head // 2) or with -1 heads of the head size, "
-    "or hand it DTensors with colwise(local=False) (and 1 more like it).")
+    "size, silently; hold the local count (2) with per_rank('n_head') in its style, view with -1 "
+    "heads of the head size, or hand it DTensors with colwise(local=False) (and 1 more like it).")
 
 
 def test_a_global_head_count_next_to_local_shards_is_linted_though_nothing_fails():
@@ -641,7 +643,13 @@ def test_a_global_head_count_next_to_local_shards_is_linted_though_nothing_fails
     assert report.lints == (GLOBAL_N_HEAD,)
     minigpt = GPT(GPTConfig(), keep_config=False, view_by_heads=True)  # minGPT keeps no config
     assert tpfn.explain(minigpt, GPT_PLAN, world_size=2).lints == (GLOBAL_N_HEAD,)
-    for block in model.transformer.h:  # the right fix: the local count (config.n_head is 4)
+    held = {**GPT_PLAN, "transformer.h.*.attn": prepare_in(Replicate()) >> per_rank("n_head")}
+    report = tpfn.explain(model, held, world_size=2, example_inputs=(2, 8))  # the fix the lint names
+    assert report.lints == ()
+    attn = next(m for m in report.to_dict()["modules"] if m["fqn"] == "transformer.h.0.attn")
+    assert attn["per_rank"] == [{"name": "n_head", "global": 4, "local": 2}]
+    assert re.search(r"\n  n_head +per rank +4 -> 2\n", report.text(width=None, wide=True))
+    for block in model.transformer.h:  # the local count set by hand (config.n_head is 4)
         block.attn.n_head //= 2
     assert tpfn.explain(model, GPT_PLAN, world_size=2, example_inputs=(2, 8)).lints == ()
     for block in minigpt.transformer.h:  # without a config: its numbers are all local
@@ -666,8 +674,8 @@ def test_a_split_by_the_global_width_after_colwise_fails_with_a_hint():
         "not enough values to unpack (expected 3, got 2). Hint: 'transformer.h.0.attn' splits the "
         "local output of its colwise(parts=3) 'c_attn': each of the 2 ranks holds 96 of its 192 "
         "features (1/2 of each of its 3 parts), so a split by the global size (n_embd = 64) gives "
-        "2 pieces, not 3; split by the local size (64 // 2 = 32) or with .chunk(3, dim=-1), or "
-        "hand it DTensors with colwise(local=False).", GLOBAL_N_HEAD]
+        "2 pieces, not 3; split by the local size (64 // 2 = 32) with per_rank('n_embd') in its "
+        "style, or with .chunk(3, dim=-1), or hand it DTensors with colwise(local=False).", GLOBAL_N_HEAD]
     plain = {**GPT_PLAN, "transformer.h.*.attn.c_attn": colwise()}
     with pytest.raises(PlanError) as e:
         tpfn.explain(GPT(GPTConfig()), plain, world_size=4, example_inputs=(2, 8))
@@ -675,7 +683,8 @@ def test_a_split_by_the_global_width_after_colwise_fails_with_a_hint():
         "Hint: 'transformer.h.0.attn' splits the local output of its colwise() 'c_attn': each of "
         "the 4 ranks holds 48 of its 192 features, so a split by the global size (n_embd = 64) "
         "gives 1 piece, not 3; bind it to colwise(parts=3), so that each rank holds its slice of "
-        "every part, and split by the local size or with .chunk(3, dim=-1).")
+        "every part, and split by the local size with per_rank('n_embd') in its style or with "
+        ".chunk(3, dim=-1).")
     assert e.value.problems[2] == (  # after the global n_head
         "'c_attn' of 'transformer.h.0.attn' (CausalSelfAttention) fuses q, k and v (4 heads of 16 "
         "features each: 3 x 64 = 192 features), and colwise() cuts its output into 4 contiguous "
@@ -801,14 +810,20 @@ def test_hugging_face_attention_gets_no_head_lints():
         "'qkv_proj' of 'model.layers.0.self_attn' (Phi3Attention) fuses q, k and v of unequal "
         "sizes (4 heads and 2 + 2 KV heads of 8 features: 32 + 16 + 16 = 64 features), and "
         "colwise() cuts its output into 2 contiguous shards of 32 features")
-    # GPT-2 holds num_heads and head_dim, but its Conv1D projections take no colwise().
+    # GPT-2's Conv1D projections pack q, k and v: colwise() cuts across them, colwise(parts=3)
+    # does not, and the attention then holds its global head count.
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64,
                                       n_positions=16, eos_token_id=0, bos_token_id=0))
     gpt2_plan = {"transformer.wte": rowwise(), "lm_head": colwise() >> prepare_out(Replicate())}
     assert tpfn.explain(gpt2, gpt2_plan, world_size=2, example_inputs=(2, 8)).lints == ()
-    with pytest.raises(PlanError, match=r"it shards nn\.Linear, nn\.Embedding and "
-                                        r"nn\.MultiheadAttention, not Conv1D"):
-        tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2)
+    assert tpfn.explain(gpt2, {"transformer.h.*.attn.c_attn": colwise()}, world_size=2).lints[0].startswith(
+        "'c_attn' of 'transformer.h.0.attn' (GPT2Attention) fuses q, k and v (4 heads of 8 features "
+        "each: 3 x 32 = 96 features), and colwise() cuts its output into 2 contiguous shards")
+    packed = {"transformer.h.*.attn.c_attn": colwise(parts=3)}
+    assert "hold the local count (2) with per_rank('num_heads') in its style" in tpfn.explain(
+        gpt2, packed, world_size=2).lints[0]
+    held = {**packed, "transformer.h.*.attn": per_rank("num_heads", "split_size")}
+    assert tpfn.explain(gpt2, held, world_size=2).lints == ()
 
 
 def test_the_dry_run_takes_the_route_a_real_run_takes():

@@ -21,7 +21,7 @@ from tests import hf_zoo
 from tests.models import clone, counts, max_rel_err, rel_err
 from tests.ranks import mesh
 from tpfn import (
-    Partial, PlanError, Replicate, Shard, colwise, from_hf, on_shards, params,
+    Partial, PlanError, Replicate, Shard, colwise, from_hf, on_shards, params, per_rank,
     prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
 )
 from tpfn.adapters.from_hf import KNOWN, UNSUPPORTED
@@ -391,11 +391,11 @@ def test_a_from_hf_plan_prints_one_rule_per_line_and_evaluates_back():
     'model.layers.*.mlp.down_proj': rowwise(),
     'model.layers.*.mlp.gate_proj': colwise(),
     'model.layers.*.mlp.up_proj': colwise(),
-    'model.layers.*.self_attn': prepare_in(Replicate(), local=True),
-    'model.layers.*.self_attn.k_proj': colwise(),
+    'model.layers.*.self_attn': prepare_in(Replicate(), local=True) >> per_rank('num_key_value_groups', per_head=2),
+    'model.layers.*.self_attn.k_proj': colwise(heads=2),
     'model.layers.*.self_attn.o_proj': rowwise(),
     'model.layers.*.self_attn.q_proj': colwise(),
-    'model.layers.*.self_attn.v_proj': colwise(),
+    'model.layers.*.self_attn.v_proj': colwise(heads=2),
 })"""
     namespace = {name: getattr(tpfn, name) for name in tpfn.__all__}
     assert eval(repr(p), namespace) == p
@@ -604,3 +604,29 @@ def test_verify_names_the_rule_a_plan_lacks_for_replicated_parameters_with_parti
     fixed = {**model.tp_plan, "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
              "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
     assert tpfn.verify(model, from_hf(fixed, model), {"input_ids": (2, 8)}).ok
+
+
+def test_from_hf_replicates_kv_heads_only_where_there_are_fewer_than_query_heads():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    mha = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "num_key_value_heads": 4}))
+    rules = dict(from_hf(mha.tp_plan, mha).rules)
+    assert rules["model.layers.*.self_attn.k_proj"] == colwise()
+    assert rules["model.layers.*.self_attn"] == prepare_in(Replicate(), local=True)
+    gqa = dict(from_hf(llama().tp_plan, llama()).rules)
+    assert gqa["model.layers.*.self_attn.v_proj"] == colwise(heads=2)
+    assert gqa["model.layers.*.mlp.up_proj"] == colwise()   # an MLP: no heads
+
+
+def test_transformers_conv1d_keyed_colwise_or_rowwise_is_sharded_by_its_features():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64))
+    p = from_hf({"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}, gpt2)
+    mounts = {m.fqn: m for m in tpfn.resolve(p, gpt2)}
+    assert mounts["transformer.h.0.mlp.c_fc"].params == (("bias", Shard(0)), ("weight", Shard(1)))  # (in, out)
+    assert mounts["transformer.h.0.mlp.c_proj"].params == (("bias", Replicate()), ("weight", Shard(0)))
+    with pytest.raises(PlanError, match=r"'transformer.h.0.attn' \(GPT2Attention\) is 'colwise', which "
+                                        r"transformers applies to Linear modules; this is GPT2Attention\."):
+        from_hf({"transformer.h.*.attn": "colwise"}, gpt2)

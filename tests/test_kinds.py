@@ -127,8 +127,8 @@ def test_the_plan_s_rows_come_before_the_class_s_and_the_table_s():
         ("weight", Shard(0, parts=2)),)
     assert tpfn.resolve(colwise(), nn.Linear(4, 8, bias=False))[0].params == (("weight", Shard(0)),)
     with pytest.raises(PlanError, match=r"colwise\(\) at '<root>' \(ScaledLinear\): it shards "
-                                        r"nn.Linear, nn.Embedding and nn.MultiheadAttention, "
-                                        r"not ScaledLinear\."):
+                                        r"nn.Linear, nn.Embedding, nn.MultiheadAttention and "
+                                        r"transformers' Conv1D, not ScaledLinear\."):
         tpfn.resolve(colwise(), ScaledLinear(4, 8))
 
 
@@ -185,3 +185,50 @@ def test_a_parallelize_with_a_bad_kind_row_changes_nothing():
     assert all(tpfn.mounted(m) is None for m in model.modules())
     assert not any(isinstance(t, torch.distributed.tensor.DTensor)
                    for t in (*model.parameters(), *model.buffers()))
+
+
+# transformers' Conv1D (GPT-2): a row of the table, known by its name (transformers is only a
+# test dependency), its weight (in, out), its output features nf held per rank.
+
+class GPT2Parts(nn.Module):
+    """GPT-2's projections, each a Conv1D: q, k and v packed, then the MLP."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.c_attn, self.c_proj = Conv1D(3 * dim, dim), Conv1D(dim, dim)
+        self.c_fc, self.mlp_proj = Conv1D(4 * dim, dim), Conv1D(dim, 4 * dim)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        h = x + self.c_proj(q * k.sigmoid() + v)
+        return h + self.mlp_proj(F.gelu(self.c_fc(h)))
+
+
+def _conv1d_at_tp2():
+    from tests.models import one_step
+
+    torch.manual_seed(0)
+    ref = GPT2Parts().double()
+    for p in ref.parameters():
+        p.data.normal_()  # Conv1D's bias starts at zero: make its gradient a real test
+    plan = {"c_attn": colwise(parts=3), "c_proj": rowwise(), "c_fc": colwise(), "mlp_proj": rowwise()}
+    tp = tpfn.parallelize(clone(ref), mesh(2), plan)
+    shapes = (tp.c_attn.weight.to_local().shape, tp.c_fc.weight.to_local().shape, tp.c_attn.nf)
+    return (*one_step(tp, ref, torch.randn(2, 5, 8, dtype=torch.float64)), shapes)
+
+
+def test_transformers_conv1d_is_a_linear_layer_stored_transposed(ranks2):
+    from transformers.pytorch_utils import Conv1D
+
+    row = tpfn.resolve(colwise(parts=3), Conv1D(24, 8))[0]
+    assert row.params == (("bias", Shard(0, parts=3)), ("weight", Shard(1, parts=3)))
+    assert repr(row.sizes) == "(('nf', per_rank('nf')),)"
+    assert repr(tpfn.resolve(colwise(heads=2), Conv1D(16, 8))[0].sizes) == "(('nf', per_rank('nf', heads=2)),)"
+    assert tpfn.resolve(rowwise(), Conv1D(8, 16))[0].params == (("bias", Replicate()), ("weight", Shard(0)))
+    for errors, forward, backward, shapes in ranks2.run(_conv1d_at_tp2):
+        assert max(errors.values()) <= TOL, errors
+        assert shapes == ((8, 12), (8, 16), 24)   # nf global outside its forward
+        assert forward == {"all_reduce": 2}       # c_proj's and mlp_proj's partial sums
+        assert backward == {"all_reduce": 2}      # c_attn's and c_fc's input gradients

@@ -7,11 +7,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 import tpfn
 from tests.models import clone, one_step, rel_err
 from tests.ranks import mesh
-from tpfn import PlanError, Replicate, colwise, prepare_in, rowwise
+from tpfn import PlanError, Replicate, colwise, per_rank, prepare_in, rowwise
 
 # float64 references: rounding ~1e-16 relative; 1e-12 leaves room for sums reordered over 4 ranks.
 TOL = 1e-12
@@ -67,6 +68,26 @@ def test_two_kv_heads_at_tp4_equal_one_device(ranks4):
         assert all(str(g) == "(Shard(dim=0), Replicate())" for g in grads.values())
 
 
+def _two_models():
+    found = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        tp = tpfn.parallelize(GQA().double(), mesh(4), PLAN)
+        y = tp(torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True))
+        with CommDebugMode() as mode:
+            y.sum().backward()
+        own = all(p.grad.device_mesh is p.device_mesh for p in tp.parameters())
+        found.append((tpfn.trace.counts(mode), own))
+    return found
+
+
+def test_a_second_model_s_kv_gradients_live_on_its_own_view_of_the_mesh(ranks4):
+    # each model's 2-D view of the mesh is its own: DTensor's caches, which compare meshes by
+    # ranks and names, would otherwise hand the second model's gradients the first one's view
+    # (its process groups; where only some of them, their sums in two all-reduces)
+    assert ranks4.run(_two_models)[0] == [({"all_reduce": 2}, True)] * 2
+
+
 def _unchanged(model) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters()) and \
         all(tpfn.mounted(m) is None for m in model.modules())
@@ -110,10 +131,9 @@ def _llama70b():
 
 
 @pytest.mark.parametrize("t", [16, 32, 64])
-def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads(t):
+def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads_from_its_own_plan(t):
     model = _llama70b()
-    plan = tpfn.from_hf(model.tp_plan, model).override(
-        {f"model.layers.*.self_attn.{p}_proj": colwise(heads=8) for p in "kv"})
+    plan = tpfn.from_hf(model.tp_plan, model)  # knows the 8 KV heads: colwise(heads=8)
     report = tpfn.explain(model, plan, world_size=t, example_inputs=(1, 4096))
     layers, h, ffn, vocab, head_dim, e = 80, 8192, 28672, 128256, 128, 4  # meta: float32
     r = t // 8  # ranks per KV head
@@ -133,15 +153,23 @@ def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads(t):
             f"end of the backward the gradients of the 2 replicated parameters (2097152 elements "
             f"per rank) are summed within each group, in one all-reduce (and 79 more like it).") \
         in report.lints
-    groups = f"num_key_value_groups = {64 // t}"
+    # its attention holds the rank's query heads per KV head: per_rank, nothing to lint
+    assert dict(plan.rules)["model.layers.*.self_attn"] == (
+        prepare_in(Replicate(), local=True) >> per_rank("num_key_value_groups", per_head=8))
+    assert not any("num_key_value_groups" in lint for lint in report.lints)
+    unheld = plan.override({"model.layers.*.self_attn": prepare_in(Replicate(), local=True)})
     assert any("holds num_key_value_groups = 8, the query heads per KV head of the whole model" in
-               lint and f"or set {groups} on the parallelized model" in lint for lint in report.lints)
+               lint and f"hold the local ratio ({64 // t}) with per_rank('num_key_value_groups', "
+               "per_head=8) in its style" in lint
+               for lint in tpfn.explain(model, unheld, world_size=t, example_inputs=(1, 8)).lints)
 
 
 def test_more_ranks_than_kv_heads_under_plain_colwise_is_linted_with_the_fix():
     model = _llama70b()
+    plain = tpfn.from_hf(model.tp_plan, model).override(
+        {f"model.layers.*.self_attn.{p}_proj": colwise() for p in "kv"})
     with pytest.raises(PlanError) as e:
-        tpfn.explain(model, tpfn.from_hf(model.tp_plan, model), world_size=16, example_inputs=(1, 8))
+        tpfn.explain(model, plain, world_size=16, example_inputs=(1, 8))
     assert ("'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 8 heads of "
             "128 features: fewer heads than the 16 ranks, so colwise() cannot give each rank a "
             "whole head; use at most 8 ranks for tensor parallelism, or replicate the heads over "
@@ -153,39 +181,52 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             use_cache=False)
 
 
-def _llama(attn_implementation: str):
+def _llama(attn_implementation: str, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=attn_implementation))
-    plan = tpfn.from_hf(model.tp_plan, model).override(
-        {f"model.layers.*.self_attn.{p}_proj": colwise(heads=2) for p in "kv"})
-    return model, plan
+    config = LlamaConfig(**{**TINY, "num_key_value_heads": kv_heads}, attn_implementation=attn_implementation)
+    model = LlamaForCausalLM(config)
+    return model, tpfn.from_hf(model.tp_plan, model)  # the model's own plan, as it is
 
 
-def _transformers_llama_at_tp4():
-    ref, plan = _llama("sdpa")
-    tp = tpfn.parallelize(clone(ref), mesh(4), plan)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    logits, expected = tp(ids).logits, ref(ids).logits
-    logits.pow(2).sum().backward()
-    expected.pow(2).sum().backward()
-    errors = {"logits": rel_err(logits, expected)}
-    errors.update({n: rel_err(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad,
-                               ref.get_parameter(n).grad) for n, p in tp.named_parameters()})
-    return errors
+def _transformers_llamas():
+    """transformers' Llama from its own plan against one device: 2 or 1 KV heads on the mesh's
+    ranks, by sdpa (with a padding mask it repeats the KV heads by num_key_value_groups; without
+    one it reads the ratio from the shapes) and by eager attention (which always repeats)."""
+    found = {}
+    n = dist.get_world_size()
+    for kv, impl, padded in ((2, "sdpa", False), (2, "sdpa", True), (2, "eager", False), (1, "sdpa", True)):
+        ref, plan = _llama(impl, kv)
+        tp = tpfn.parallelize(clone(ref), mesh(n), plan)
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, :3] = 0   # left padding
+        kw = {"attention_mask": mask} if padded else {}
+        logits, expected = tp(ids, **kw).logits, ref(ids, **kw).logits
+        logits.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        errors = {"logits": rel_err(logits, expected)}
+        errors.update({k: rel_err(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad,
+                                  ref.get_parameter(k).grad) for k, p in tp.named_parameters()})
+        found[kv, impl, padded] = errors
+        assert tp.model.layers[0].self_attn.num_key_value_groups == 4 // kv   # restored
+    return found
 
 
-def test_a_transformers_llama_with_2_kv_heads_at_tp4_equals_one_device(ranks4):
-    # transformers' sdpa takes query heads per KV head from the shapes (enable_gqa) when no
-    # mask is given. float32: sums over 4 ranks in other orders agree to 1e-5 relative, as in
-    # tests/test_hf.py.
-    for errors in ranks4.run(_transformers_llama_at_tp4):
-        assert max(errors.values()) <= 1e-5, errors
+def test_transformers_llamas_from_their_own_plans_at_more_ranks_than_kv_heads(ranks2, ranks4):
+    # from_hf knows the KV heads: colwise(heads=...) on k and v, and the attention holds its
+    # rank's query heads per KV head. float32: sums over 4 ranks in other orders agree to 1e-5
+    # relative, as in tests/test_hf.py.
+    for ranks in (ranks2, ranks4):
+        for found in ranks.run(_transformers_llamas):
+            for case, errors in found.items():
+                assert max(errors.values()) <= 1e-5, (case, errors)
 
 
 def test_an_attention_that_repeats_kv_by_the_global_ratio_is_named():
     model, plan = _llama("eager")  # repeat_kv(key, module.num_key_value_groups)
+    plan = plan.override({"model.layers.*.self_attn": prepare_in(Replicate(), local=True)})
     with pytest.raises(PlanError) as e:
         tpfn.explain(model, plan, world_size=4, example_inputs=(2, 8))
     assert ("'model.layers.0.self_attn' (LlamaAttention) holds num_key_value_groups = 2, the query "
@@ -194,8 +235,8 @@ def test_an_attention_that_repeats_kv_by_the_global_ratio_is_named():
             "1 KV head, so repeating the KV heads by num_key_value_groups (transformers' eager "
             "attention, or its sdpa with a mask) makes 2 KV heads for 1; take the ratio from the "
             "local shapes (q.shape[1] // k.shape[1]), as transformers' sdpa does without a mask "
-            "(enable_gqa), or set num_key_value_groups = 1 on the parallelized model (and 1 more "
-            "like it).") in e.value.problems
+            "(enable_gqa), or hold the local ratio (1) with per_rank('num_key_value_groups', "
+            "per_head=2) in its style (and 1 more like it).") in e.value.problems
 
 
 # Checkpoints: the weights are DTensors of their true global shape, so both paths hold them.
@@ -277,8 +318,26 @@ def test_a_module_that_views_by_the_global_kv_head_count_is_named():
         "'<root>' (Module) holds num_key_value_heads = 2, the global KV head count of 'k', whose "
         "colwise(heads=2) hands on local shards: each of the 4 ranks holds 1 of the 2 heads (each "
         "held by 2 ranks), so a view by num_key_value_heads heads (view(B, T, "
-        "self.num_key_value_heads, -1)) makes heads of the wrong size, silently; view with -1 "
-        "heads of the head size."),)
+        "self.num_key_value_heads, -1)) makes heads of the wrong size, silently; hold the local "
+        "count (1) with per_rank('num_key_value_heads', heads=2) in its style, view with -1 heads "
+        "of the head size."),)
     (note,) = report.notes  # a cost, not a wrong number
     assert note.startswith("'k' of '<root>' (Module) replicates 2 heads of 8 features "
                            "over the 4 ranks: each head is held by a group of 2 ranks")
+    held = tpfn.explain(attention, {"": per_rank("num_key_value_heads", heads=2), "q": colwise(),
+                                    "k": colwise(heads=2)}, world_size=4)
+    assert held.warnings == () and held.notes == report.notes   # the fix the warning names
+
+
+def test_gradient_hooks_on_kv_weights_are_refused_only_where_their_gradients_are_partial():
+    from tpfn.dryrun import fake_mesh
+
+    for n, refused in ((2, False), (4, True)):   # 2 KV heads: whole on 2 ranks, copies on 4
+        model, plan = _llama("sdpa")
+        model.model.layers[0].self_attn.k_proj.weight.register_hook(lambda g: g)
+        try:
+            tpfn.parallelize(model, fake_mesh(n), plan, src_rank=None)
+        except PlanError as e:
+            assert refused and "'model.layers.0.self_attn.k_proj.weight' has gradient hooks" in str(e)
+        else:
+            assert not refused

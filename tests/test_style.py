@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import tpfn
 from tests import virtual
 from tpfn import (
-    Partial, Replicate, Shard, StyleError, colwise, identity, on_shards, params, prepare_in,
+    Partial, Replicate, Shard, StyleError, colwise, identity, on_shards, params, per_rank, prepare_in,
     prepare_out, replicate, rowwise, sequence_parallel,
 )
 from tpfn.algebra import comm_bytes, transition
@@ -50,7 +50,19 @@ def on_shards_styles(draw):
     return on_shards(*desired, grads=grads, output=draw(out_layouts), local=draw(flags))
 
 
+@st.composite
+def per_ranks(draw):
+    """``per_rank`` over a few names, which overlap between draws (conflicts included)."""
+    names = draw(st.lists(st.sampled_from(["num_heads", "config.n_head", "nf"]), max_size=2))
+    option = draw(st.sampled_from([{}, {"heads": 2}, {"per_head": 2}, {"heads": 4}]))
+    inputs = draw(st.dictionaries(st.sampled_from(["alibi"]), st.sampled_from([4, 8]), max_size=1))
+    if option and inputs or not (names or inputs):
+        return per_rank(*names or ["num_heads"], **option)
+    return per_rank(*names, inputs=inputs or None, **option)
+
+
 stages = st.one_of(
+    per_ranks(),
     prepare_ins(),
     prepare_outs(),
     st.builds(colwise, local=flags),
@@ -246,10 +258,58 @@ def test_bad_compositions_and_arguments_are_named(build, error, message):
     assert str(info.value) == message
 
 
+@given(st.lists(per_ranks(), min_size=1, max_size=3))
+def test_per_rank_folds_into_one_rule_per_attribute_and_input(parts):
+    style = outcome(lambda: compose(*parts))
+    rules = [r for p in parts for r in p.stages[0].rules()]
+    held = {}
+    clash = any(held.setdefault((what, name), rule) != rule for what, name, rule in rules)
+    assert (style is StyleError) == clash
+    if not clash:
+        assert style.normal.sizes == tuple(sorted((n, r) for (w, n), r in held.items() if w == "attribute"))
+        assert style.normal.per_head == tuple(sorted((n, r.inputs[0][1]) for (w, n), r in held.items()
+                                                     if w == "input"))
+
+
+def test_per_rank_divides_as_the_heads_are_held():
+    # h key/value heads on n ranks: colwise(heads=h) gives each rank h // n heads, or 1 head
+    # where n is a multiple of h, shared by n // h ranks that split its query heads.
+    for n, h, heads, per_head in [(1, 2, 1, 1), (2, 2, 2, 1), (4, 2, 2, 2), (8, 2, 2, 4), (2, 8, 2, 1)]:
+        assert per_rank("kv", heads=h).stages[0].divisor(n) == heads
+        assert per_rank("groups", per_head=h).stages[0].divisor(n) == per_head
+        assert per_rank("num_heads").stages[0].divisor(n) == n
+    assert per_rank("kv", heads=2).stages[0].divisor(3) is None
+    assert per_rank("b", "a", "a") == per_rank("a", "b") and repr(per_rank("b", "a")) == "per_rank('a', 'b')"
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: per_rank("num-heads"), "per_rank: attribute names must be attribute paths such as 'num_heads' "
+                                    "or 'config.num_attention_heads' (got 'num-heads')."),
+    (lambda: per_rank(), "per_rank needs an attribute name or inputs=..., e.g. per_rank('num_heads')."),
+    (lambda: per_rank("n", heads=0), "per_rank: 'heads' must be a positive int, the number of key/value "
+                                     "heads (got 0 that is a <class 'int'>)."),
+    (lambda: per_rank("n", heads=2, per_head=2), "per_rank(heads=2, per_head=2): an attribute counts heads "
+     "or things per head, not both; give each its own per_rank(...) and compose them with >>."),
+    (lambda: per_rank(inputs={"alibi": "num_heads"}), "per_rank: 'inputs' maps input names to their number "
+     "of heads, e.g. inputs={'alibi': 16} (got {'alibi': 'num_heads'})."),
+])
+def test_bad_per_rank_arguments_are_named(build, message):
+    with pytest.raises(TypeError) as info:
+        build()
+    assert str(info.value) == message
+
+
+def test_per_rank_held_two_ways_is_a_style_error():
+    with pytest.raises(StyleError, match=r"^attribute 'num_heads' is held per rank two ways, "
+                                         r"per_rank\('num_heads'\) and per_rank\('num_heads', heads=2\); keep one\.$"):
+        per_rank("num_heads") >> colwise() >> per_rank("num_heads", heads=2)
+    assert (per_rank("num_heads") >> per_rank("num_heads")).normal.sizes == per_rank("num_heads").normal.sizes
+
+
 def test_a_style_on_a_module_kind_it_cannot_handle_lists_the_kinds():
     assert problems(colwise(), nn.LayerNorm(4), "layers.0.norm") == [
-        "colwise() at 'layers.0.norm' (LayerNorm): it shards nn.Linear, nn.Embedding and "
-        "nn.MultiheadAttention, not LayerNorm."]
+        "colwise() at 'layers.0.norm' (LayerNorm): it shards nn.Linear, nn.Embedding, "
+        "nn.MultiheadAttention and transformers' Conv1D, not LayerNorm."]
     assert problems(sequence_parallel(), nn.Linear(4, 4), "w1") == [
         "sequence_parallel() at 'w1' (Linear): sequence parallelism runs a module on each "
         "position alone, so its parameters must be 1-D (norms, dropout), but weight is not; "

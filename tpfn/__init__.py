@@ -18,8 +18,8 @@ from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.interpret.prepare import prepare_inputs, prepare_outputs, shard_params
 from tpfn.layout import Partial, Replicate, Shard, to_torch
 from tpfn.plans.plan import Plan, plan, resolve
-from tpfn.style.constructors import (colwise, identity, on_shards, params, prepare_in, prepare_out,
-                                     replicate, rowwise, sequence_parallel)
+from tpfn.style.constructors import (colwise, identity, on_shards, params, per_rank, prepare_in,
+                                     prepare_out, replicate, rowwise, sequence_parallel)
 from tpfn.style.style import Style
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.hf import causal_lm_loss, for_accelerate
@@ -35,7 +35,7 @@ except _metadata.PackageNotFoundError:  # run from a checkout that is not instal
 __all__ = [
     "Shard", "Replicate", "Partial", "to_torch", "from_torch",
     "Style", "colwise", "rowwise", "sequence_parallel", "on_shards", "replicate", "params",
-    "prepare_in", "prepare_out", "identity",
+    "prepare_in", "prepare_out", "per_rank", "identity",
     "Plan", "plan", "resolve",
     "parallelize", "mounted", "shard_params", "prepare_inputs", "prepare_outputs",
     "cross_entropy", "causal_lm_loss", "clip_grad_norm_", "param_groups", "for_accelerate",

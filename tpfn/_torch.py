@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -282,20 +283,25 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
     return group._reduce_scatter_base(out, x)
 
 
+_VIEWS = itertools.count()  # the number of each heads view this process makes (its names)
+
+
 def heads_mesh(mesh, heads: int):
     """A 2-D view of the 1-D ``mesh``: ``heads`` groups of consecutive ranks, dim 0 across
     the groups and dim 1 within one (``DeviceMesh._unflatten``; an unnamed mesh of the
     whole world is viewed anew). Its process groups are made, a collective of every rank.
     A mesh of no default group (a dry run's fake one, ``tpfn.verify``'s private gloo one)
-    gets groups of its own kind, made from its group's store, registered by name."""
+    gets groups of its own kind, made from its group's store, registered by name. Each view's
+    dim names are its own: meshes compare by ranks and names, so DTensor's caches would hand
+    one model's gradients the view (and process groups) of another's."""
     n, names, group = mesh.size(), mesh.mesh_dim_names, mesh.get_group()
     replicas = n // heads
     fake = isinstance(group._get_backend(torch.device("cpu")), FakeProcessGroup)
     if not fake and dist.is_initialized():
+        base = f"{names[0] if names else 'tp'}_heads{heads}_{next(_VIEWS)}"
         if names:
-            return mesh._unflatten(0, (heads, replicas), (f"{names[0]}_heads", f"{names[0]}_replicas"))
-        return DeviceMesh(mesh.device_type, mesh.mesh.view(heads, replicas),
-                          mesh_dim_names=("heads", "replicas"))
+            return mesh._unflatten(0, (heads, replicas), (base, base + "_replicas"))
+        return DeviceMesh(mesh.device_type, mesh.mesh.view(heads, replicas), mesh_dim_names=(base, base + "_replicas"))
     rank, store = mesh.get_coordinate()[0], group.get_group_store()
     callers = 1 if fake else n  # a fake mesh is rank 0's alone
     epoch = (store.add("tpfn/heads-views", 1) - 1) // callers  # this view's number, alike on all ranks

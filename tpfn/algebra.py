@@ -11,6 +11,7 @@ Pure functions over layouts and shapes; no process group is involved.
   ranges of a sharded dim it holds (its chunk of every packed part, its group's heads).
 - ``comm_bytes(steps, global_shape, mesh_shape, itemsize)``: bytes each rank sends, as a
   sympy expression, under the ring model.
+- ``unpackable(name, shape, layout, n)``: why ``n`` ranks cannot hold packed parts or heads.
 
 >>> transition(Shard(0), Replicate())
 (AllGather(dim=0),)
@@ -35,7 +36,7 @@ from tpfn.layout import Partial, Replicate, Shard, as_layout, normalize
 
 __all__ = ["AllGather", "AllReduce", "ReduceScatter", "AllToAll", "Chunk", "Split", "Step", "transition",
            "chunk_bounds", "shard_ranges", "pullback", "cotangent", "local_shape", "comm_bytes",
-           "check_layout", "contiguous_strides"]
+           "check_layout", "contiguous_strides", "unpackable"]
 
 
 def _short_repr(self) -> str:
@@ -405,3 +406,55 @@ def contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def unpackable(name: str, shape, layout, n: int) -> str | None:
+    """Why ``n`` ranks cannot hold packed parts (or heads) of parameter ``name`` evenly (None: they can).
+
+    Each rank holds its chunk of every part, so each part must split evenly over the ranks;
+    unequal parts must add up to the dim; ``heads`` must split the dim into equal heads, on
+    a number of ranks that divides them or is a multiple of them.
+
+    >>> unpackable("gate_up.weight", (12, 8), Shard(0, parts=2), 4)
+    "parameter 'gate_up.weight' packs 2 parts in dim 0 (12): each part (6) must split evenly over 4 ranks, so dim 0 must be a multiple of 8; pad each part, or choose a mesh size that divides 6."
+    >>> unpackable("qkv.weight", (96, 8), Shard(0, parts=(64, 16, 16)), 32)
+    "parameter 'qkv.weight' packs parts of 64, 16 and 16 in dim 0: the part of 16 does not split evenly over 32 ranks; pad each part to a multiple of 32, or choose a mesh size that divides every part."
+    >>> unpackable("k.weight", (16, 8), Shard(0, heads=2), 3)
+    "parameter 'k.weight' is 2 heads in dim 0, and 3 ranks neither divide them nor are a multiple of them, so no rank would hold whole heads; choose a mesh size that divides 2 or is a multiple of it."
+    """
+    if not isinstance(layout, Shard) or (layout.parts == 1 and layout.heads is None):
+        return None
+    dim = layout.dim % len(shape)
+    if layout.heads is not None:
+        heads = layout.heads
+        if shape[dim] % heads:
+            return (f"parameter {name!r} is {heads} heads in dim {dim}, but {shape[dim]} does not "
+                    f"split into {heads} equal heads; give the number of heads its features are.")
+        if heads % n and n % heads:
+            return (f"parameter {name!r} is {heads} heads in dim {dim}, and {n} ranks neither "
+                    f"divide them nor are a multiple of them, so no rank would hold whole heads; "
+                    f"choose a mesh size that divides {heads} or is a multiple of it.")
+        return None
+    if isinstance(layout.parts, tuple):
+        sizes = layout.parts
+        listed = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+        if sum(sizes) != shape[dim]:
+            return (f"parameter {name!r} has {shape[dim]} in dim {dim}, but parts={sizes!r} add "
+                    f"up to {sum(sizes)}; give the sizes of the parts it packs (q, k and v "
+                    "rows of a fused projection).")
+        odd = next((size for size in sizes if size % n), None)
+        if odd is None:
+            return None
+        return (f"parameter {name!r} packs parts of {listed} in dim {dim}: the part of {odd} "
+                f"does not split evenly over {n} ranks; pad each part to a multiple of {n}, or "
+                "choose a mesh size that divides every part.")
+    parts = layout.parts
+    if shape[dim] % (parts * n) == 0:
+        return None
+    if shape[dim] % parts:
+        return (f"parameter {name!r} packs {parts} parts in dim {dim}, but {shape[dim]} does not "
+                f"split into {parts} equal parts; give the number of parts it packs.")
+    part = shape[dim] // parts
+    return (f"parameter {name!r} packs {parts} parts in dim {dim} ({shape[dim]}): each part "
+            f"({part}) must split evenly over {n} ranks, so dim {dim} must be a multiple of "
+            f"{parts * n}; pad each part, or choose a mesh size that divides {part}.")

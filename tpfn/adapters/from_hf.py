@@ -15,6 +15,14 @@ plan({'down': rowwise(), 'up': colwise()})
 Every string with a faithful tpfn meaning is read (docs/huggingface.md lists each as its
 tpfn composition); the others (expert parallelism) are refused with the reason.
 
+Where an attention module's config has fewer key/value heads than query heads, its
+column-wise k and v projections (those ``num_key_value_heads * head_dim`` wide) are
+``colwise(heads=num_key_value_heads)``: sharded on meshes that divide their heads, each head
+replicated over a group of ranks on larger ones (as Megatron and vLLM do), and the query heads
+per KV head it holds (``num_key_value_groups``) are held per rank,
+``per_rank("num_key_value_groups", per_head=num_key_value_heads)``: so the model's own plan runs
+at every degree its query heads allow.
+
 Where several column-wise layers are children of one module (attention's q, k and v; an
 MLP's gate and up projections), the module takes its input as one local replica,
 ``prepare_in(Replicate(), local=True)``: the children's partial input gradients are summed
@@ -33,11 +41,12 @@ from tpfn._fqn import generalize, join, matches
 from tpfn.adapters.lora import is_lora, with_lora
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
-from tpfn.plans.kinds import meaning
+from tpfn.plans.kinds import Conv1D, meaning
 from tpfn.plans.mount import forward_names
 from tpfn.plans.plan import Plan, plan
 from tpfn.style.constructors import (
-    colwise, on_shards, params, prepare_in, prepare_out, replicate, rowwise, sequence_parallel,
+    colwise, identity, on_shards, params, per_rank, prepare_in, prepare_out, replicate, rowwise,
+    sequence_parallel,
 )
 
 __all__ = ["from_hf", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
@@ -95,10 +104,14 @@ _LOCAL = ("local_colwise", "local_rowwise", "local_packed_rowwise")
 # Strings that shard a module column-wise from a replicated input (their parent may share it).
 _CONSUMERS = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "mla_kv_a_proj")
 
+# The module kinds each string applies to: transformers' linears, and its Conv1D (GPT-2's,
+# weight stored (in, out)), which tpfn's colwise() and rowwise() shard by its output and input
+# features as they do a linear's (transformers' own styles would cut its weight's other dim).
+_LINEARS = (nn.Linear, Conv1D)
 _KINDS = {**dict.fromkeys(("colwise", "colwise_gather_output", "colwise_rep", "rowwise",
-                           "rowwise_split_input", "rowwise_rep", "packed_colwise", "mla_kv_a_proj"),
-                          nn.Linear),
-          **dict.fromkeys(("embedding_rowwise", "embedding_colwise"), nn.Embedding)}
+                           "rowwise_split_input", "rowwise_rep", "packed_colwise"), _LINEARS),
+          "mla_kv_a_proj": (nn.Linear,),
+          **dict.fromkeys(("embedding_rowwise", "embedding_colwise"), (nn.Embedding,))}
 
 # Strings whose meaning no tpfn style has: why, and what to do.
 UNSUPPORTED = dict.fromkeys(("grouped_gemm", "ep_router", "ep_dispatch_experts"), (
@@ -169,7 +182,7 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
         return params(**placed) >> on_shards() if local else params(**placed)
     if string in _KINDS and not isinstance(module, _KINDS[string]):
         found.append(f"{where} is {string!r}, which transformers applies to "
-                     f"{_KINDS[string].__name__} modules; this is {type(module).__name__}.")
+                     f"{_KINDS[string][0].__name__} modules; this is {type(module).__name__}.")
         return None
     rest = [n for n, _ in module.named_parameters(recurse=False) if n not in own]
     if string == "local" and rest:
@@ -197,6 +210,23 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
     else:
         core = MODULE_STYLES[string]
     return params(**placed) >> core if placed else core
+
+
+# The attribute of an attention module that holds its query heads per key/value head.
+_GROUPS = "num_key_value_groups"
+
+
+def _kv_heads(fqn: str, modules: dict, model: nn.Module) -> int | None:
+    """The number of key/value heads of the column-wise projection ``fqn`` where it projects the
+    key or value heads of an attention module (its parent, holding an int ``head_dim``) whose
+    config has fewer of them than query heads; else None."""
+    parent, child = modules[fqn.rpartition(".")[0]], modules[fqn]
+    config = getattr(parent, "config", None) or getattr(model, "config", None)
+    kv, heads = (getattr(config, n, None) for n in ("num_key_value_heads", "num_attention_heads"))
+    size = vars(parent).get("head_dim")
+    if not all(type(v) is int and v > 0 for v in (kv, heads, size)) or kv >= heads:
+        return None
+    return kv if isinstance(child, nn.Linear) and child.out_features == kv * size else None
 
 
 def _spell(styles: dict, modules: dict) -> dict:
@@ -290,4 +320,10 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
                if string in _CONSUMERS and "." in fqn and fqn not in latents]
     readers = collections.Counter(parents)
     styles.update({p: _SHARED for p, n in readers.items() if n > 1 and p not in styles})
+    kv = {f: h for f, string in keyed.items() if string == "colwise" and "." in f
+          and styles.get(f) == colwise() and (h := _kv_heads(f, modules, model))}
+    styles.update({f: colwise(heads=h) for f, h in kv.items()})  # each head held by a group of ranks
+    for parent, heads in {f.rpartition(".")[0]: h for f, h in kv.items()}.items():
+        if type(vars(modules[parent]).get(_GROUPS)) is int:  # their query heads: the rank's share
+            styles[parent] = styles.get(parent, identity()) >> per_rank(_GROUPS, per_head=heads)
     return with_lora(plan(_spell(styles, modules)), model)

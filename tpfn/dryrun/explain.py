@@ -46,6 +46,7 @@ from tpfn.errors import PlanError
 from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
+from tpfn.plans.mount import local_sizes
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
 
@@ -141,7 +142,10 @@ def _rows(module: nn.Module, shown, n: int) -> list:
             shape = tuple(p.shape)
             params.append(Param(name, placement, shape, _local(shape, placement, shown, n),
                                 p.dtype.itemsize, None if owner == full else owner))
-        rows.append(Row(fqn, type(sub).__name__, getattr(mounted(sub), "style", None), tuple(params)))
+        m = mounted(sub)
+        sizes = () if m is None else (*local_sizes(m, sub, n)[0], *(
+            (f"input {k!r}", f"{h} heads", f"{h // n} heads") for k, h in m.per_head))
+        rows.append(Row(fqn, type(sub).__name__, getattr(m, "style", None), tuple(params), (), sizes))
     return rows
 
 

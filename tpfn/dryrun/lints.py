@@ -11,7 +11,8 @@ Warnings:
   count the mesh size does not divide;
 - ``head_counts``: a module that holds the global head count of the column-wise projections
   whose local shards it reshapes (``view(B, T, self.n_head, -1)`` is then silently wrong),
-  or the query heads per KV head where KV heads are replicated (``num_key_value_groups``);
+  or the query heads per KV head where KV heads are replicated (``num_key_value_groups``),
+  and that its style does not hold per rank (``per_rank``, the fix each sentence names);
 - ``fused``: a fused q, k, v projection whose parts ``colwise()`` cuts across (the fix:
   ``colwise(parts=(q, k, v))``).
 
@@ -37,6 +38,8 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
+from tpfn.plans.kinds import Conv1D
+from tpfn.style.constructors import per_rank
 
 __all__ = ["uneven", "heads", "replicated_heads", "head_counts", "fused", "siblings", "failure",
            "failing_module", "local_colwise"]
@@ -98,11 +101,15 @@ def _config(module: nn.Module, fqn: str, names):
     return None
 
 
+def _out(child: nn.Module):
+    """The output features of a linear layer (``nn.Linear``, transformers' ``Conv1D``), else None."""
+    return child.out_features if isinstance(child, nn.Linear) else child.nf if isinstance(child, Conv1D) else None
+
+
 def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
-    """``[(name, child, core)]``: the nn.Linear children bound to colwise() with local shards."""
+    """``[(name, child, core)]``: the linear children bound to colwise() with local shards."""
     found = [(name, child, _shards(mounts, join(fqn, name))) for name, child in sub.named_children()]
-    return [(name, child, core) for name, child, core in found
-            if core is not None and isinstance(child, nn.Linear)]
+    return [(name, child, core) for name, child, core in found if core is not None and _out(child)]
 
 
 def _once(found: list) -> list:
@@ -131,9 +138,9 @@ def uneven(rows, world_size: int) -> list:
     return _once(found)
 
 
-def _widths(child: nn.Linear, core) -> tuple:
+def _widths(child: nn.Module, core) -> tuple:
     """The output features of each part a colwise() core packs in ``child``."""
-    return Shard(0, core.parts).sizes(child.out_features)
+    return Shard(0, core.parts).sizes(_out(child))
 
 
 def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
@@ -146,7 +153,7 @@ def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
     out: dict = {}
     for name, child in sub.named_children():
         core = local_colwise(mounts, join(fqn, name))
-        if core is None or not isinstance(child, nn.Linear):
+        if core is None or not _out(child):
             continue
         for width in dict.fromkeys(_widths(child, core)):
             if width % head_dim == 0:
@@ -250,7 +257,7 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
     >>> attention.n_head, attention.c_attn = 4, nn.Linear(64, 192)
     >>> report = tpfn.explain(attention, {"c_attn": colwise(parts=3)}, world_size=2)
     >>> print(report.lints[0])
-    '<root>' (Module) holds n_head = 4, the global head count of 'c_attn', whose colwise(parts=3) hands on local shards: each of the 2 ranks holds 2 of the 4 heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong size, silently; view with the local count (n_head // 2) or with -1 heads of the head size, or hand it DTensors with colwise(local=False).
+    '<root>' (Module) holds n_head = 4, the global head count of 'c_attn', whose colwise(parts=3) hands on local shards: each of the 2 ranks holds 2 of the 4 heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong size, silently; hold the local count (2) with per_rank('n_head') in its style, view with -1 heads of the head size, or hand it DTensors with colwise(local=False).
     """
     if world_size == 1:
         return []
@@ -262,11 +269,12 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
         widths = {name: _widths(child, core)[0] for name, child, core in children}
         cores = {name: core for name, _, core in children}
         size = next((v for _, v in _held(sub, HEAD_SIZES)), None)
-        found += _ratios(sub, fqn, world_size, cores, shown)
+        local_here = {path for path, _ in getattr(mounts.get(fqn), "sizes", ())}  # per_rank(...)
+        found += _ratios(sub, fqn, world_size, cores, shown, local_here)
         ranks = _ranks(world_size, shown)
         for names, kv in ((HEADS, False), (KV_HEADS, True)):
             for attr, value in _held(sub, names):
-                members = _global(sub, fqn, module, value, kv, widths, size)
+                members = [] if attr in local_here else _global(sub, fqn, module, value, kv, widths, size)
                 if not members:
                     continue
                 what = "KV head count" if kv else "head count"
@@ -275,14 +283,15 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 start = (f"{describe(sub, fqn)} holds {attr} = {value}, the global {what} of {whose}, "
                          f"whose {style} hand{'s' if len(members) == 1 else ''} on local shards: ")
                 view = (f"so a view by {attr} heads (view(B, T, self.{attr}, -1)) makes heads of the "
-                        "wrong size, silently; view with")
+                        "wrong size, silently; hold the local count ({}) with {!r} in its style, view "
+                        "with -1 heads of the head size")
                 if value < world_size and all(cores[n].heads is not None for n in members):
                     problem = (f"each of {ranks} holds 1 of the {value} heads (each held by "
-                               f"{world_size // value} ranks), {view} -1 heads of the head size.")
+                               f"{world_size // value} ranks), {view.format(1, per_rank(attr, heads=value))}.")
                 elif value % world_size == 0:
-                    problem = (f"each of {ranks} holds {value // world_size} of the {value} heads, {view} "
-                               f"the local count ({attr} // {world_size}) or with -1 heads of the head "
-                               "size, or hand it DTensors with colwise(local=False).")
+                    problem = (f"each of {ranks} holds {value // world_size} of the {value} heads, "
+                               f"{view.format(value // world_size, per_rank(attr))}, or hand it DTensors "
+                               "with colwise(local=False).")
                 elif size is None:  # with a head size, heads() says it
                     problem = (f"{ranks} cannot split {value} heads into whole heads each; choose a mesh "
                                f"size that divides {value}.")
@@ -292,7 +301,7 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
     return _once(found)
 
 
-def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown) -> list:
+def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown, local_here: set) -> list:
     """A module that holds the query heads per KV head (``num_key_value_groups``) of the
     whole model while its KV heads are replicated over groups of ranks: each rank then holds
     one KV head and fewer query heads, so the ratio it computes with is smaller."""
@@ -304,7 +313,7 @@ def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown) -> li
     found = []
     for attr, value in _held(sub, GROUPS):
         local = value * h // world_size
-        if local == value:
+        if local == value or attr in local_here:
             continue
         whose = ", ".join(map(repr, kv))
         found.append((generalize(fqn) + "." + attr, (
@@ -315,7 +324,7 @@ def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown) -> li
             f"repeating the KV heads by {attr} (transformers' eager attention, or its sdpa with "
             f"a mask) makes {value} KV heads for {local}; take the ratio from the local shapes "
             f"(q.shape[1] // k.shape[1]), as transformers' sdpa does without a mask (enable_gqa), "
-            f"or set {attr} = {local} on the parallelized model.")))
+            f"or hold the local ratio ({local}) with {per_rank(attr, per_head=h)!r} in its style.")))
     return found
 
 
@@ -356,7 +365,7 @@ def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
         q, total = heads * size, (heads + 2 * kv) * size
         right = (q, kv * size, kv * size)
         for name, child, core in children:
-            if child.out_features != total or Shard(0, core.parts).sizes(total) == right:
+            if _out(child) != total or Shard(0, core.parts).sizes(total) == right:
                 continue
             cut = (f"cuts its output into {world_size} contiguous shards of {total // world_size} "
                    "features, across q, k and v" if core.parts == 1 else
@@ -442,21 +451,22 @@ def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
         return None
     expected, got = map(int, counts.groups())
     name, child, core = next((c for c in children if c[2].parts == expected), children[0])
-    out, parts = child.out_features, len(_widths(child, core))
+    out, parts = _out(child), len(_widths(child, core))
     part = out // (parts if parts > 1 else expected)
-    attr = next((f" ({n} = {v})" for n, v in _held(sub, WIDTHS) if v == part), "")
+    width = next((n for n, v in _held(sub, WIDTHS) if v == part), None)
+    attr, hold = ("", "") if width is None else (f" ({width} = {part})", f" with {per_rank(width)!r} in its style")
     pieces = f"{got} piece{'s' if got != 1 else ''}"
     held, who = f"{out // world_size} of its {out} features", repr(fqn or "<root>")
     if parts == 1:
         return (f"{who} splits the local output of its colwise() {name!r}: each of the {world_size} "
                 f"ranks holds {held}, so a split by the global size{attr} gives {pieces}, not "
                 f"{expected}; bind it to colwise(parts={expected}), so that each rank holds its slice "
-                f"of every part, and split by the local size or with .chunk({expected}, dim=-1).")
+                f"of every part, and split by the local size{hold} or with .chunk({expected}, dim=-1).")
     return (f"{who} splits the local output of its {core!r} {name!r}: each of the {world_size} ranks "
             f"holds {held} (1/{world_size} of each of its {parts} parts), so a split by the global "
             f"size{attr} gives {pieces}, not {expected}; split by the local size ({out // parts} // "
-            f"{world_size} = {out // parts // world_size}) or with .chunk({parts}, dim=-1), or hand it "
-            "DTensors with colwise(local=False).")
+            f"{world_size} = {out // parts // world_size}){hold}, or with .chunk({parts}, dim=-1), or "
+            "hand it DTensors with colwise(local=False).")
 
 
 def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
@@ -538,8 +548,9 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
     elif local and split and "is invalid for input of size" in text:
         hint = (f"{name!r} reshapes the local outputs of its colwise() {', '.join(map(repr, local))}: "
                 f"each of the {world_size} ranks holds 1/{world_size} of their features (of the heads), "
-                "so a view with the global head count fails; view with the local count (heads // "
-                f"{world_size}) or -1, or hand it DTensors with colwise(local=False).")
+                "so a view with the global head count fails; hold the local count (heads // "
+                f"{world_size}) with per_rank('n_heads') (the attribute it views by) in its style, "
+                "view with -1, or hand it DTensors with colwise(local=False).")
     elif sub is not None and isinstance(exc, ValueError) and "values to unpack" in text:
         hint = _unpack_hint(sub, fqn, mounts, world_size, text)
     elif sub is not None and isinstance(exc, RuntimeError) and (

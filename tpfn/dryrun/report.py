@@ -151,10 +151,11 @@ class Flow:
 
 @attrs.frozen
 class Row:
-    """One module: its FQN, type, style (None: not in the plan), own parameters, slots.
+    """One module: its FQN, type, style (None: not in the plan), own parameters, slots, and
+    what it holds per rank in its forward (``per_rank``): ``(attribute or input, global, local)``.
 
     >>> Row("layers.0.norm", "LayerNorm", None)
-    Row(fqn='layers.0.norm', type='LayerNorm', style=None, params=(), transitions=())
+    Row(fqn='layers.0.norm', type='LayerNorm', style=None, params=(), transitions=(), sizes=())
     """
 
     fqn: str
@@ -162,6 +163,7 @@ class Row:
     style: Style | None
     params: tuple = ()
     transitions: tuple = ()
+    sizes: tuple = ()
 
 
 @attrs.frozen
@@ -286,6 +288,7 @@ class Report:
                 } for p in r.params],
                 "transitions": [{"slot": t.slot, "given": place(t.given), "desired": place(t.desired),
                                  "steps": [repr(s) for s in t.steps]} for t in r.transitions],
+                "per_rank": [{"name": n, "global": g, "local": v} for n, g, v in r.sizes],
                 **{phase: {k: {"count": n, "bytes": _number(b)}
                            for k, (n, b) in traffic.get((r.fqn, phase), {}).items()}
                    for phase in ("forward", "backward")},
@@ -415,6 +418,8 @@ def _module_lines(row: Row, traffic: dict, wide: bool) -> list:
     for t in row.transitions:
         lines.append([cell(f"  {t.slot}"), cell(f"{t.given!r} -> {t.desired!r}"),
                       cell(", ".join(map(repr, t.steps)) or "-"), EMPTY, EMPTY])
+    for name, whole, local in row.sizes:
+        lines.append([cell(f"  {name}"), cell("per rank"), cell(f"{whole} -> {local}"), EMPTY, EMPTY])
     return lines
 
 

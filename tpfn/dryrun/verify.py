@@ -385,14 +385,14 @@ def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward
                 "(or gate and up) side by side needs colwise(parts=k), k equal parts (for q wider than "
                 "k and v: n_heads // n_kv_heads + 2 parts of n_kv_heads heads, so that each rank holds "
                 "its share of each), or a layout that groups each KV head with its queries.")
-    heads = any(isinstance(getattr(module, a, None), int)
-                for a in ("n_head", "n_heads", "num_heads", "num_attention_heads"))
-    if local and (heads or len(local) > 1):
+    attr = next((a for a in ("n_head", "n_heads", "num_heads", "num_attention_heads")
+                 if isinstance(getattr(module, a, None), int)), None)
+    if local and (attr or len(local) > 1):
         return (f"{head} Hint: it computes on the local outputs of its colwise() {names}: each of "
                 f"the {n} ranks holds 1/{n} of their features, so a view with the global head "
-                f"count (view(B, T, n_head, -1)) makes heads of 1/{n} of their features; view with "
-                f"the local count (n_head // {n}) or as (-1, head_dim), or hand it DTensors with "
-                "colwise(local=False).")
+                f"count (view(B, T, n_head, -1)) makes heads of 1/{n} of their features; hold the "
+                f"local count ({attr or 'n_head'} // {n}) with per_rank({attr or 'n_head'!r}) in its "
+                "style, view as (-1, head_dim), or hand it DTensors with colwise(local=False).")
     if local:
         return (f"{head} Hint: it computes on the local outputs of its colwise() {names}: check "
                 "that what each rank holds is what its forward expects (a packed output, "

@@ -10,6 +10,7 @@ the module, in two ways and nowhere else:
   outputs through their slots. A module that computes on local shards (a ``Kernel``) is handed
   its parameters' local shards for the duration of its own forward only; a ``finally`` puts the
   DTensor parameters back, so no exception, ``KeyboardInterrupt`` or hook can see or keep the swap.
+  The attributes its style holds per rank (``per_rank``) hold those values for the same span.
 
 Hooks on a bound module see its inputs as they arrive and its outputs as its style hands
 them on (a row-wise module's are summed), whenever they were registered.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import warnings
 
 import torch
@@ -29,16 +31,16 @@ from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
 from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
-from tpfn.algebra import cotangent
-from tpfn.errors import PlanError, module_error
+from tpfn.algebra import cotangent, unpackable
+from tpfn.errors import ModuleError, PlanError, module_error
 from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
-from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, placed_tensor, shard_params,
-                                    unpackable)
+from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, per_head, placed_tensor,
+                                    shard_params)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.kernels import KERNELS, Group
 from tpfn.layout import Partial, Replicate, Shard, from_torch
-from tpfn.plans.mount import Mount
+from tpfn.plans.mount import Mount, local_sizes
 from tpfn.plans.plan import Plan, resolve
 from tpfn.plans.refusals import refusals
 from tpfn.style.style import Style
@@ -78,6 +80,7 @@ class Runtime:
         self.ctx = Context(mount.where, mount.names or (), self.grads, state.shapes, self.cache)
         # its parameters' gradients are partial sums: a backward through its output sums them at its end
         self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
+        self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
 
     def __call__(self, *args, **kwargs):
         if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:
@@ -87,8 +90,18 @@ class Runtime:
                 self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
             for name, _ in self.mount.inputs.kwargs:
                 self.watch(f"input {name!r}", kwargs.get(name))
-        group = None if torch.compiler.is_compiling() else self.ctx.group
+        group, held = None if torch.compiler.is_compiling() else self.ctx.group, []
         try:
+            for owner, name, whole, value in self.sizes:  # its attributes hold their per-rank values (per_rank)
+                holder = operator.attrgetter(owner)(self.module) if owner else self.module
+                if (now := getattr(holder, name)) not in (whole, value):
+                    raise ModuleError(f"{self.mount.where}: {join(owner, name)} is {now!r}, not the {whole} whose "
+                                      f"per-rank value parallelize made {value}; set it before parallelize.")
+                held.append((holder, name, now))
+                setattr(holder, name, value)
+            for name, heads in self.mount.per_head:  # the rows of its heads
+                args, kwargs = self._with(args, kwargs, name, lambda x: per_head(
+                    x, heads, self.mesh, f"input {name!r} of {self.mount.where}", self.cache))
             if group is None:
                 output, shape = self._compute(args, kwargs)
             else:  # its replicas' readers: whether they may leave their gradients partial, as it ends
@@ -102,6 +115,9 @@ class Runtime:
             if (named := module_error(error, self.mount, self.module, self._first(args, kwargs))) is not None:
                 raise named from error
             raise
+        finally:
+            for holder, name, value in reversed(held):
+                setattr(holder, name, value)
         if self.arms and torch.is_grad_enabled():
             self.state.partial_grads.arm(output)
         return self._outputs(output, shape)
@@ -131,7 +147,7 @@ class Runtime:
         first, mask = self._first(args, kwargs), None
         if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
             ids, mask = vocab_mask(first, self.module, mesh, f"input 0 of {mount.where}")
-            args, kwargs = self._with_first(args, kwargs, ids)
+            args, kwargs = self._with(args, kwargs, 0, lambda _: ids)
         if kernel.random == "slice":  # nn.Dropout: this rank's slice of one device's noise
             if not (self.module.training and self.module.p > 0):
                 return first, shape
@@ -157,10 +173,15 @@ class Runtime:
         names = self.mount.names
         return args[0] if args else kwargs.get(names[0]) if names else None
 
-    def _with_first(self, args, kwargs, x):
-        if args:
-            return (x, *args[1:]), kwargs
-        return args, {**kwargs, self.mount.names[0]: x}
+    def _with(self, args, kwargs, key, change):
+        """``(args, kwargs)`` with input ``key`` (a position, or a name, passed by keyword or by
+        position) changed by ``change``."""
+        names = self.mount.names
+        i = key if isinstance(key, int) else names.index(key) if key in names else len(args)
+        if i < len(args):
+            return (*args[:i], change(args[i]), *args[i + 1:]), kwargs
+        name = names[i] if isinstance(key, int) else key
+        return args, {**kwargs, name: change(kwargs[name])} if kwargs.get(name) is not None else kwargs
 
     def _outputs(self, output, in_shape):
         """The module's output through its slots; a kernel's through its declared layout."""
@@ -300,7 +321,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     fits = [(m, m.kernel.fits(modules[m.fqn], mesh.size())) for m in bound
             if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
-    found += refusals(modules, bound)
+    found += [why for m in bound for why in local_sizes(m, modules[m.fqn], mesh.size())[1]]
+    found += refusals(modules, bound, mesh.size())
     if found + tied:
         raise PlanError(found + tied)
 
@@ -325,7 +347,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
         if _reads_replica(sub.forward):
             readers.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", _described(m, sub))
+            log.debug("parallelize: %s", m)
     for parent, readers in readers.items():
         owner = runtime(modules[parent])
         if kernels and owner is not None and owner.mount.kernel is None:  # its replicas, read as they are
@@ -344,14 +366,3 @@ def _reads_replica(rt: Runtime) -> bool:
     first = slots[0]
     return not first.untouched and first.grad is None and isinstance(first.source, Replicate) \
         and isinstance(first.out, Replicate) and isinstance(grads[0], Partial) and grads[0].op == "sum"
-
-
-def _described(mount, module: nn.Module) -> str:
-    """One line of what ``parallelize`` mounted on ``module``, for the ``tpfn`` logger."""
-    slots = [*(f"input {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(mount.inputs.slots)
-               if not s.untouched),
-             *(f"output {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(mount.outputs.slots))]
-    placed = ", ".join(f"{n} {p!r}" for n, p in mount.params) or "no parameters"
-    how = "on local shards" if mount.kernel is not None else "on DTensors"
-    return (f"parallelize: {describe(module, mount.fqn)} {mount.style!r}: {placed}; "
-            f"{'; '.join(slots) or 'no slots'}; computes {how}")

@@ -24,17 +24,17 @@ from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, meta_dtensor, parameters_of, per_rank
-from tpfn.algebra import contiguous_strides, cotangent, shard_ranges
+from tpfn.algebra import contiguous_strides, cotangent, shard_ranges, unpackable
 from tpfn.errors import LayoutError
 from tpfn.interpret.moves import collective, failed, move, placements, unhooked
 from tpfn.interpret.state import Guess, Shapes
 from tpfn.interpret.terms import terms
-from tpfn.layout import Shard, exact_in_torch, from_torch, to_torch
+from tpfn.layout import Replicate, Shard, exact_in_torch, from_torch, to_torch
 from tpfn.style.stages import Inputs, Outputs
 from tpfn.style.style import Style
 
 __all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "prepare_outputs", "Context",
-           "inputs", "outputs_of", "convert", "checked", "not_a_tensor", "unpackable"]
+           "inputs", "outputs_of", "convert", "checked", "not_a_tensor", "per_head"]
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: int | None = 0) -> dict:
@@ -122,58 +122,6 @@ def _beyond_dtensor(param, mesh, layout: Shard, src_rank, views: dict) -> tuple:
     dt = DTensor.from_local(local.contiguous(), on, placements, run_check=False,
                             shape=param.shape, stride=param.stride())
     return dt, on
-
-
-def unpackable(name: str, shape, layout, n: int) -> str | None:
-    """Why ``n`` ranks cannot hold packed parts (or heads) of parameter ``name`` evenly (None: they can).
-
-    Each rank holds its chunk of every part, so each part must split evenly over the ranks;
-    unequal parts must add up to the dim; ``heads`` must split the dim into equal heads, on
-    a number of ranks that divides them or is a multiple of them.
-
-    >>> unpackable("gate_up.weight", (12, 8), Shard(0, parts=2), 4)
-    "parameter 'gate_up.weight' packs 2 parts in dim 0 (12): each part (6) must split evenly over 4 ranks, so dim 0 must be a multiple of 8; pad each part, or choose a mesh size that divides 6."
-    >>> unpackable("qkv.weight", (96, 8), Shard(0, parts=(64, 16, 16)), 32)
-    "parameter 'qkv.weight' packs parts of 64, 16 and 16 in dim 0: the part of 16 does not split evenly over 32 ranks; pad each part to a multiple of 32, or choose a mesh size that divides every part."
-    >>> unpackable("k.weight", (16, 8), Shard(0, heads=2), 3)
-    "parameter 'k.weight' is 2 heads in dim 0, and 3 ranks neither divide them nor are a multiple of them, so no rank would hold whole heads; choose a mesh size that divides 2 or is a multiple of it."
-    """
-    if not isinstance(layout, Shard) or (layout.parts == 1 and layout.heads is None):
-        return None
-    dim = layout.dim % len(shape)
-    if layout.heads is not None:
-        heads = layout.heads
-        if shape[dim] % heads:
-            return (f"parameter {name!r} is {heads} heads in dim {dim}, but {shape[dim]} does not "
-                    f"split into {heads} equal heads; give the number of heads its features are.")
-        if heads % n and n % heads:
-            return (f"parameter {name!r} is {heads} heads in dim {dim}, and {n} ranks neither "
-                    f"divide them nor are a multiple of them, so no rank would hold whole heads; "
-                    f"choose a mesh size that divides {heads} or is a multiple of it.")
-        return None
-    if isinstance(layout.parts, tuple):
-        sizes = layout.parts
-        listed = ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
-        if sum(sizes) != shape[dim]:
-            return (f"parameter {name!r} has {shape[dim]} in dim {dim}, but parts={sizes!r} add "
-                    f"up to {sum(sizes)}; give the sizes of the parts it packs (q, k and v "
-                    "rows of a fused projection).")
-        odd = next((size for size in sizes if size % n), None)
-        if odd is None:
-            return None
-        return (f"parameter {name!r} packs parts of {listed} in dim {dim}: the part of {odd} "
-                f"does not split evenly over {n} ranks; pad each part to a multiple of {n}, or "
-                "choose a mesh size that divides every part.")
-    parts = layout.parts
-    if shape[dim] % (parts * n) == 0:
-        return None
-    if shape[dim] % parts:
-        return (f"parameter {name!r} packs {parts} parts in dim {dim}, but {shape[dim]} does not "
-                f"split into {parts} equal parts; give the number of parts it packs.")
-    part = shape[dim] // parts
-    return (f"parameter {name!r} packs {parts} parts in dim {dim} ({shape[dim]}): each part "
-            f"({part}) must split evenly over {n} ranks, so dim {dim} must be a multiple of "
-            f"{parts * n}; pad each part, or choose a mesh size that divides {part}.")
 
 
 def checked(x: DTensor, slot, mesh, what: str) -> DTensor:
@@ -271,6 +219,19 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))
     shapes.remember(out, dt.placements, dt.shape, mesh)
     return out
+
+
+def per_head(x, heads: int, mesh, what: str, cache: dict):
+    """This rank's heads' rows of ``x``, replicated and laid out per head, ``(batch * heads, ...)``
+    in dim 0 (``per_rank(inputs=...)``); its gradient is gathered back whole."""
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.ndim == 0 or x.shape[0] % heads:
+        shape = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise LayoutError(f"{what} is laid out per head, (batch * {heads}, ...) in dim 0, on every rank alike "
+                          f"(per_rank(inputs=...)), but it is {'a DTensor' if isinstance(x, DTensor) else shape}; "
+                          "hand it the whole tensor, or give per_rank its number of heads.")
+    v = x.unflatten(0, (-1, heads))
+    grad = Shard(1) if x.requires_grad else None
+    return move(v, Replicate(), Shard(1), grad, mesh, tuple(v.shape), what, cache).flatten(0, 1)
 
 
 def _spec(spec, kind, name: str, side: str):

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from tpfn._torch import MIXING, DropoutNd, parameter
 
 from tpfn.layout import Partial, Replicate, Shard
-from tpfn.style.constructors import on_shards, params, prepare_out, replicate
+from tpfn.style.constructors import on_shards, params, per_rank, prepare_out, replicate
 from tpfn.style.style import Style
 
-__all__ = ["Kernel", "Meaning", "TABLE", "meaning"]
+__all__ = ["Kernel", "Meaning", "TABLE", "meaning", "Conv1D"]
 
 
 @attrs.frozen
@@ -93,7 +93,31 @@ class Meaning:
     fast: str | None = None
 
 
+class _Named(type):
+    """A module kind known by its qualified name: ``isinstance`` holds for its subclasses, and
+    nothing is imported (``Conv1D``: transformers is no dependency of tpfn)."""
+
+    def __instancecheck__(cls, module) -> bool:
+        return cls.real(type(module)) is not None
+
+    def real(cls, kind: type):
+        """The class of that name among ``kind``'s bases (None: none)."""
+        return next((c for c in kind.__mro__ if f"{c.__module__}.{c.__qualname__}" == cls.qualname), None)
+
+
+class Conv1D(metaclass=_Named):
+    """transformers' ``Conv1D`` (GPT-2's projections): a linear layer whose ``weight`` is stored
+    transposed, ``(in, out)``, its output features ``nf``.
+
+    >>> isinstance(nn.Linear(2, 2), Conv1D), Conv1D.label
+    (False, "transformers' Conv1D")
+    """
+
+    qualname, label = "transformers.pytorch_utils.Conv1D", "transformers' Conv1D"
+
+
 def _own_forward(module: nn.Module, kind: type) -> bool:
+    kind = kind.real(type(module)) if isinstance(kind, _Named) else kind
     return type(module).forward is kind.forward
 
 
@@ -104,6 +128,10 @@ def _linear(module: nn.Linear) -> str | None:
 
 def _linear_shape(module, in_shape):
     return (*in_shape[:-1], module.out_features)
+
+
+def _conv1d_shape(module, in_shape):
+    return (*in_shape[:-1], module.nf)
 
 
 def _embedding_shape(module, in_shape):
@@ -124,14 +152,14 @@ def _primitives(row: str, k, bias: bool, heads=None) -> Style:
     """The composition of primitives a built-in is on a kind (``bias``: the module has one;
     ``heads``: the output features are that many heads, each replicated over its group of
     ranks when there are more ranks than heads, its gradient partial within the group)."""
-    if row == "colwise_linear":
-        out = Shard(0, k, heads=heads)
-        rules = {"weight": out, **({"bias": out} if bias else {})}
+    if row in ("colwise_linear", "colwise_conv1d"):  # Conv1D's weight is (in, out): dim 1
+        rules = {"weight": Shard(0 if row == "colwise_linear" else 1, k, heads=heads),
+                 **({"bias": Shard(0, k, heads=heads)} if bias else {})}
         grads = dict.fromkeys(rules, Partial()) if heads is not None else None
         return replicate() >> params(**rules) >> on_shards(
             Replicate(), grads=Partial(), output=Shard(-1, k, heads=heads), param_grads=grads)
-    if row == "rowwise_linear":
-        rules = {"weight": Shard(1, k), **({"bias": Replicate()} if bias else {})}
+    if row in ("rowwise_linear", "rowwise_conv1d"):
+        rules = {"weight": Shard(1 if row == "rowwise_linear" else 0, k), **({"bias": Replicate()} if bias else {})}
         return (replicate() >> params(**rules) >> on_shards(Shard(-1, k), output=Partial())
                 >> prepare_out(Replicate()))
     if row == "colwise_embedding":
@@ -157,6 +185,19 @@ def rowwise_linear(core, module: nn.Linear, where: str, owned: tuple):
     return Meaning(_primitives("rowwise_linear", core.parts, module.bias is not None),
                    local=_own_forward(module, nn.Linear), bias_once=module.bias is not None,
                    shape=_linear_shape, fast=_linear(module))
+
+
+def colwise_conv1d(core, module, where: str, owned: tuple):
+    """transformers' ``Conv1D`` column-wise: its weight ``(in, out)`` sharded on dim 1, its own
+    forward on the local shards with ``nf`` the rank's output features (``per_rank("nf")``)."""
+    own = _own_forward(module, Conv1D)
+    style = _primitives("colwise_conv1d", core.parts, module.bias is not None, core.heads)
+    return Meaning(style >> per_rank("nf", heads=core.heads) if own else style, local=own, shape=_conv1d_shape)
+
+
+def rowwise_conv1d(core, module, where: str, owned: tuple):
+    return Meaning(_primitives("rowwise_conv1d", core.parts, module.bias is not None),
+                   local=_own_forward(module, Conv1D), bias_once=module.bias is not None, shape=_conv1d_shape)
 
 
 def colwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
@@ -306,8 +347,8 @@ def colwise_attention(core, module: nn.MultiheadAttention, where: str, owned: tu
 # (built-in, module kind) -> its row; the first kind the module is an instance of applies.
 TABLE = {
     "colwise": ((nn.Linear, colwise_linear), (nn.Embedding, colwise_embedding),
-                (nn.MultiheadAttention, colwise_attention)),
-    "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding)),
+                (nn.MultiheadAttention, colwise_attention), (Conv1D, colwise_conv1d)),
+    "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding), (Conv1D, rowwise_conv1d)),
     "sequence_parallel": ((nn.Module, sequence_parallel_any),),
 }
 
@@ -329,7 +370,7 @@ def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()
     for kind, row in TABLE[core.kind]:
         if isinstance(module, kind):
             return row(core, module, where, owned)
-    *most, last = (f"nn.{kind.__name__}" for kind, _ in TABLE[core.kind])
+    *most, last = (getattr(kind, "label", f"nn.{kind.__name__}") for kind, _ in TABLE[core.kind])
     kinds = f"{', '.join(most)} and {last}" if most else last
     wraps = isinstance(getattr(module, "base_layer", None), nn.Module)  # PEFT's LoRA layers, say
     return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}" + (

@@ -32,7 +32,7 @@ from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs
 from tpfn.style.style import Style
 
-__all__ = ["Mount", "mount", "try_mount", "problems", "forward_names", "owned"]
+__all__ = ["Mount", "mount", "try_mount", "problems", "forward_names", "owned", "local_sizes"]
 
 
 @attrs.frozen
@@ -41,7 +41,9 @@ class Mount:
     (their ``local`` decided), the ``kernel`` that computes on local shards (None: the
     module computes on DTensors), ``forward``'s positional input ``names`` (for inputs passed
     by keyword) and the ``owned`` parameters whose local shards the kernel hands the module:
-    its own and those of submodules no other rule binds, and the buffers its style places."""
+    its own and those of submodules no other rule binds, and the buffers its style places;
+    ``sizes``: the attributes that hold per-rank values in its forward (``(path, PerRank)``),
+    ``per_head``: the inputs laid out per head (``(name, heads)``), see ``per_rank``."""
 
     fqn: str
     style: Style
@@ -52,6 +54,16 @@ class Mount:
     names: tuple = ()
     owned: tuple = ()
     where: str = "module"
+    sizes: tuple = ()
+    per_head: tuple = ()
+
+    def __str__(self):
+        """One line of what it mounts, for the ``tpfn`` logger."""
+        slots = [*(f"input {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(self.inputs.slots) if not s.untouched),
+                 *(f"output {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(self.outputs.slots))]
+        placed = ", ".join(f"{n} {p!r}" for n, p in self.params) or "no parameters"
+        how = "on local shards" if self.kernel is not None else "on DTensors"
+        return f"{self.where} {self.style!r}: {placed}; {'; '.join(slots) or 'no slots'}; computes {how}"
 
 
 def forward_names(module: nn.Module):
@@ -167,15 +179,55 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
         found.append(f"{style!r} at {where} prepares input {touched[-1]} but "
                      f"{type(module).__name__}.forward takes {len(names)} positional "
                      f"input{'s' * (len(names) != 1)} ({', '.join(names) or 'none'}).")
-    for name, _ in inputs.kwargs:
+    for name, _ in (*inputs.kwargs, *n.per_head):
         if named is not None and name not in named:
             found.append(f"{style!r} at {where} prepares keyword input {name!r} but "
                          f"{type(module).__name__}.forward has no such input{near(name, named)}.")
+    found.extend(f"{rule!r} at {where}: {why}" for path, rule in n.sizes
+                 if isinstance(why := _held(module, path), str))
     if found:
         return found
     placed_buffers = tuple(name for name in placements if name in buffers)
     return Mount(fqn, style, tuple(sorted(placements.items())), inputs, outputs, kernel, names,
-                 own + placed_buffers if kernel is not None else (), where)
+                 own + placed_buffers if kernel is not None else (), where, n.sizes, n.per_head)
+
+
+def _held(module: nn.Module, path: str):
+    """The int held at attribute ``path`` (dotted) of ``module``, or a sentence saying why there is none."""
+    holder, parts = module, path.split(".")
+    for i, part in enumerate(parts):
+        if not hasattr(holder, part):
+            ints = [k for k, v in getattr(holder, "__dict__", {}).items() if type(v) is int]
+            return (f"{'.'.join(parts[:i]) or 'the module'} ({type(holder).__name__}) has no attribute "
+                    f"{part!r}{near(part, ints)}.")
+        holder = getattr(holder, part)
+    if type(holder) is not int or holder < 1:
+        return (f"{path} is {holder!r}, not a positive int; per_rank divides counts and widths "
+                "(num_heads, split_size).")
+    return holder
+
+
+def local_sizes(mount: Mount, module: nn.Module, n: int) -> tuple:
+    """``(((path, global value, per-rank value), ...), problems)``: the values ``mount``'s
+    attributes hold in ``module``'s forward on ``n`` ranks, read now, and why ``n`` ranks cannot
+    hold some (its per-head inputs' heads included)."""
+    values, found = [], []
+    for path, rule in mount.sizes:
+        value, d = _held(module, path), rule.divisor(n)
+        if d is None:
+            found.append(f"{rule!r} at {mount.where}: {n} ranks neither divide the {rule.heads or rule.per_head} "
+                         f"heads nor are a multiple of them; choose a mesh size that divides "
+                         f"{rule.heads or rule.per_head} or is a multiple of it.")
+        elif value % d:
+            shares = f"evenly over the {n} ranks" if d == n else f"into the {d} shares {rule!r} makes of it on {n} ranks"
+            found.append(f"{rule!r} at {mount.where}: {path} = {value} does not split {shares}; choose a mesh "
+                         f"size that divides it, or leave {path!r} out of per_rank.")
+        else:
+            values.append((path, value, value // d))
+    found += [f"per_rank(inputs={{{name!r}: {h}}}) at {mount.where}: the {h} heads of input {name!r} do "
+              f"not split evenly over {n} ranks; choose a mesh size that divides {h}."
+              for name, h in mount.per_head if h % n]
+    return tuple(values), found
 
 
 def _beyond_dtensor(style: Style, where: str, placements: dict, kernel, inputs, outputs) -> list:

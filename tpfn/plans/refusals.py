@@ -24,10 +24,10 @@ from tpfn.layout import Partial
 __all__ = ["refusals"]
 
 
-def refusals(modules: dict, bound: tuple) -> list:
+def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
     """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
-    every bound module in ``bound``, one line each."""
-    return _fully_sharded(modules) + _unrunnable(modules, bound) + _hooks_on_partial_sums(modules, bound)
+    every bound module in ``bound``, on ``n`` ranks (None: any), one line each."""
+    return _fully_sharded(modules) + _unrunnable(modules, bound) + _hooks_on_partial_sums(modules, bound, n)
 
 
 def _fully_sharded(modules: dict) -> list:
@@ -70,12 +70,17 @@ def _unrunnable(modules: dict, bound) -> list:
     return found
 
 
-def _hooks_on_partial_sums(modules: dict, bound) -> list:
+def _hooks_on_partial_sums(modules: dict, bound, n: int | None) -> list:
     """Gradient hooks on parameters whose gradients are partial sums until the end of the
-    backward: a hook would see one rank's terms, not the gradient."""
+    backward: a hook would see one rank's terms, not the gradient (of heads replicated over
+    groups of ranks, only where there are more ranks than heads)."""
     found = []
     for m in bound:
+        placed = dict(m.params)
         for name, layout in (m.kernel.grads if m.kernel else ()):
+            heads = getattr(placed.get(name), "heads", None)
+            if heads is not None and n is not None and heads % n == 0:
+                continue  # the ranks divide the heads: each holds whole ones, whole gradients
             if isinstance(layout, Partial) and gradient_hooks(parameter(modules[m.fqn], name)):
                 found.append(
                     f"parameter {join(m.fqn, name)!r} has gradient hooks (register_hook or "

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from tpfn.layout import Partial, Placement, Replicate, Shard, is_placement
 from tpfn.style.slot import Slot, fold
-from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, flag, placement_or_none
+from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, PerRank, flag, placement_or_none
 from tpfn.style.style import Style
 
 __all__ = ["colwise", "rowwise", "sequence_parallel", "on_shards", "replicate", "params", "prepare_in",
-           "prepare_out", "identity"]
+           "prepare_out", "per_rank", "identity"]
 
 
 def _local(local):
@@ -314,6 +314,62 @@ def prepare_out(*desired: Placement | None, given: Placement | tuple | None = No
     slots = fold(tuple(Slot(g, d) for g, d in zip(givens, desired)), (), "output")
     named = _named_slots("prepare_out: 'keys'", keys, "desired")
     return Style((Outputs(slots, named, _local(local)),))
+
+
+def per_rank(*names: str, heads: int | None = None, per_head: int | None = None,
+             inputs: dict | None = None) -> Style:
+    """Inside the module's forward, the named attributes hold their per-rank values, and the
+    named inputs the rows of the rank's heads.
+
+    Attention code often reads global sizes from attributes (``self.num_heads``,
+    ``self.split_size``, ``self.config.num_attention_heads``, transformers'
+    ``num_key_value_groups``) while its column-wise projections hand it each rank's shard.
+    ``per_rank`` says, as part of the plan, that those attributes hold the rank's share:
+
+    - ``names``: attribute paths (dotted ones reach into attributes: ``"config.n_head"``), each
+      holding an int, divided by the mesh size ``n``; ``parallelize`` refuses by name a value
+      ``n`` does not divide.
+    - ``heads=h``: the attributes count (or size) ``h`` key/value heads held as
+      ``colwise(heads=h)`` holds them: divided by ``n`` where ``n`` divides ``h``, by ``h`` (one
+      head per rank) where ``n`` is a multiple of ``h``.
+    - ``per_head=h``: the attributes count things per one of ``h`` key/value heads (the query
+      heads per KV head, transformers' ``num_key_value_groups``): kept where ``n`` divides
+      ``h``, divided by ``n // h`` where the ranks that share a head split its query heads.
+    - ``inputs``: input name -> ``H``, the number of heads of a tensor laid out per head,
+      ``(batch * H, ...)`` in dim 0, heads innermost (ALiBi biases, per-head masks): it arrives
+      replicated and the module is handed the rows of its rank's ``H // n`` heads (its gradient,
+      if any, gathered back whole).
+
+    The values are read when ``parallelize`` runs; the module's forward sets them as it starts
+    and restores what was there when it returns, raises or is interrupted, so its hooks, the
+    rest of the model and a config shared by many modules see the global values, and nested or
+    recursive forwards each see their own.
+
+    >>> per_rank("num_heads", "split_size")
+    per_rank('num_heads', 'split_size')
+    >>> per_rank("config.num_key_value_heads", heads=2) >> per_rank("num_key_value_groups", per_head=2)
+    per_rank('config.num_key_value_heads', heads=2) >> per_rank('num_key_value_groups', per_head=2)
+    >>> per_rank("num_heads", inputs={"alibi": 16})
+    per_rank('num_heads', inputs={'alibi': 16})
+    """
+    for name in names:
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise TypeError(f"per_rank: attribute names must be attribute paths such as 'num_heads' or "
+                            f"'config.num_attention_heads' (got {name!r}).")
+    for what, h in (("heads", heads), ("per_head", per_head)):
+        if h is not None and not _count(h):
+            raise TypeError(f"per_rank: {what!r} must be a positive int, the number of key/value heads "
+                            f"(got {h!r} that is a {type(h)!r}).")
+    inputs = {} if inputs is None else inputs
+    if not isinstance(inputs, dict) or not all(isinstance(k, str) and _count(h) for k, h in inputs.items()):
+        raise TypeError(f"per_rank: 'inputs' maps input names to their number of heads, e.g. "
+                        f"inputs={{'alibi': 16}} (got {inputs!r}).")
+    if not names and not inputs:
+        raise TypeError("per_rank needs an attribute name or inputs=..., e.g. per_rank('num_heads').")
+    if inputs and (heads or per_head):
+        raise TypeError(f"per_rank(inputs={inputs!r}, ...): an input laid out per head is sliced over "
+                        "all the ranks; give heads= or per_head= attributes their own per_rank(...).")
+    return Style((PerRank(tuple(sorted(set(names))), heads, per_head, tuple(sorted(inputs.items()))),))
 
 
 def identity() -> Style:

@@ -5,7 +5,9 @@
 - ``Core``: a built-in way to shard the module itself (``colwise``, ``rowwise``,
   ``sequence_parallel``), whose meaning per module kind is a row of ``tpfn.plans.kinds``;
 - ``OnShards``: the module computes on local tensors in the layouts given (``on_shards``);
-- ``Params``: parameter placements by name (``params``, ``replicate``).
+- ``Params``: parameter placements by name (``params``, ``replicate``);
+- ``PerRank``: attributes that hold their per-rank values inside the module's forward, and
+  inputs laid out per head (``per_rank``).
 
 >>> Core("colwise", parts=2), Core("colwise", parts=(64, 16, 16)), Core("colwise", heads=8)
 (colwise(parts=2), colwise(parts=(64, 16, 16)), colwise(heads=8))
@@ -22,7 +24,7 @@ import attrs
 from tpfn.layout import Partial, Replicate, Shard, is_placement
 from tpfn.style.slot import Slot
 
-__all__ = ["Inputs", "Outputs", "Core", "OnShards", "Params", "CORES", "placement_or_none", "flag"]
+__all__ = ["Inputs", "Outputs", "Core", "OnShards", "Params", "PerRank", "CORES", "placement_or_none", "flag"]
 
 CORES = ("colwise", "rowwise", "sequence_parallel")
 
@@ -207,3 +209,56 @@ class Params:
         if all(name.isidentifier() for name in rules):
             return f"params({', '.join(f'{k}={v!r}' for k, v in rules.items())})"
         return f"params(**{rules!r})"
+
+
+def _path(name) -> bool:
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
+_paths = _valid(lambda v: isinstance(v, tuple) and v == tuple(sorted(set(v))) and all(map(_path, v)),
+                "a sorted tuple of attribute paths ('num_heads', 'config.num_attention_heads')")
+_per_head = _valid(_pairs(_count), "a tuple of (input name, number of heads) pairs")
+
+
+@attrs.frozen(repr=False, cache_hash=True)
+class PerRank:
+    """Stage: inside the module's forward, the attributes ``names`` hold their per-rank values
+    and the ``inputs`` their heads' rows (see ``per_rank``): each attribute divided by the mesh
+    size, or as ``heads`` key/value heads are held (``colwise(heads=h)``), or, with
+    ``per_head``, by the ranks that share one of that many heads.
+
+    >>> PerRank(("num_heads",)).divisor(4), PerRank(("n_kv",), heads=2).divisor(4)
+    (4, 2)
+    >>> PerRank(("num_key_value_groups",), per_head=2).divisor(4), PerRank(("n",), heads=2).divisor(3)
+    (2, None)
+    """
+
+    names: tuple = attrs.field(default=(), validator=_paths)
+    heads: int | None = attrs.field(default=None, validator=_heads)
+    per_head: int | None = attrs.field(default=None, validator=_heads)
+    inputs: tuple = attrs.field(default=(), validator=_per_head)
+
+    def __attrs_post_init__(self):
+        if self.heads is not None and self.per_head is not None:
+            raise TypeError(f"per_rank(heads={self.heads!r}, per_head={self.per_head!r}): an attribute "
+                            "counts heads or things per head, not both; give each its own per_rank(...) "
+                            "and compose them with >>.")
+
+    def __repr__(self):
+        return _constructor_repr("per_rank", [repr(n) for n in self.names], heads=self.heads,
+                                 per_head=self.per_head, inputs=dict(self.inputs) or None)
+
+    def divisor(self, n: int) -> int | None:
+        """What the named attributes are divided by on ``n`` ranks (None: ``n`` neither divides
+        nor is a multiple of the heads, so no rank holds whole heads)."""
+        h = self.heads or self.per_head
+        if h is None:
+            return n
+        if h % n and n % h:
+            return None
+        return min(n, h) if self.heads else n // min(n, h)
+
+    def rules(self) -> tuple:
+        """``((kind, name, rule), ...)``: each attribute and input with the stage that says it alone."""
+        return (*(("attribute", n, attrs.evolve(self, names=(n,), inputs=())) for n in self.names),
+                *(("input", n, PerRank(inputs=((n, h),))) for n, h in self.inputs))

@@ -20,7 +20,7 @@ import attrs
 
 from tpfn.errors import StyleError
 from tpfn.style.slot import fold, fold_named
-from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params
+from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, PerRank
 
 __all__ = ["Style", "Normal"]
 
@@ -29,13 +29,17 @@ __all__ = ["Style", "Normal"]
 class Normal:
     """A style folded: one ``Inputs`` (the stages before the core), the core (None, a
     ``Core`` or an ``OnShards``), one ``Outputs`` (the core's output, then the output
-    stages), the named parameter placements and the placement of every other direct one."""
+    stages), the named parameter placements and the placement of every other direct one, the
+    attributes that hold per-rank values (``(name, PerRank)``, sorted) and the inputs laid out
+    per head (``(name, heads)``, sorted)."""
 
     inputs: Inputs = Inputs()
     core: object = None
     outputs: Outputs = Outputs()
     params: tuple = ()
     rest: object = None
+    sizes: tuple = ()
+    per_head: tuple = ()
 
 
 def _last(a, b):
@@ -47,7 +51,7 @@ def normal_form(stages: tuple) -> Normal:
     """The ``Normal`` of ``stages``, or a ``StyleError`` saying what cannot mean anything."""
     core = outputs_seen = None
     inputs, outputs = Inputs(), Outputs()
-    names, rests = {}, set()
+    names, rests, held = {}, set(), {}
     for stage in stages:
         if isinstance(stage, Inputs):
             if core or outputs_seen:
@@ -79,11 +83,18 @@ def normal_form(stages: tuple) -> Normal:
                 names[name] = placement
             if stage.rest is not None:
                 rests.add(stage.rest)
+        elif isinstance(stage, PerRank):
+            for what, name, rule in stage.rules():
+                if held.setdefault((what, name), rule) != rule:
+                    raise StyleError(f"{what} {name!r} is held per rank two ways, {held[what, name]!r} "
+                                     f"and {rule!r}; keep one.")
         else:
             raise TypeError(f"not a style stage: {stage!r}")
     if len(rests) > 1:
         raise StyleError(f"every other parameter is placed twice: {sorted(map(repr, rests))}; keep one.")
-    return Normal(inputs, core, outputs, tuple(sorted(names.items())), next(iter(rests), None))
+    return Normal(inputs, core, outputs, tuple(sorted(names.items())), next(iter(rests), None),
+                  tuple((n, r) for (w, n), r in sorted(held.items()) if w == "attribute"),
+                  tuple((n, r.inputs[0][1]) for (w, n), r in sorted(held.items()) if w == "input"))
 
 
 def _stages(instance, attribute, value):
