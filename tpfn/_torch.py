@@ -271,16 +271,69 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
         old._post_accumulate_grad_hooks = post
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, options):
     """Start gathering the ranks' ``x`` into ``out`` (rank-major) on ``group``, any group
-    (registered or not); returns the work to wait on."""
-    return group._allgather_base(out, x)
+    (registered or not), with ``options`` (``collective_options("allgather", ...)``); returns
+    the work to wait on."""
+    return group._allgather_base(out, x, options)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
-    """Start summing the ranks' ``x`` and scattering it (rank-major) into ``out`` on ``group``;
-    returns the work to wait on."""
-    return group._reduce_scatter_base(out, x)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, options):
+    """Start summing the ranks' ``x`` and scattering it (rank-major) into ``out`` on ``group``,
+    with ``options``; returns the work to wait on."""
+    return group._reduce_scatter_base(out, x, options)
+
+
+# --- process groups: their backends, timeouts, stores and counts ---------------------------
+
+from torch._C._distributed_c10d import (  # noqa: E402
+    AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceScatterOptions)
+
+_OPTIONS = {"allreduce": AllreduceOptions, "allgather": AllgatherOptions,
+            "reduce_scatter": ReduceScatterOptions, "barrier": BarrierOptions}
+
+
+def collective_options(kind: str, timeout: datetime.timedelta, **fields):
+    """The options of one ``kind`` of collective (``"allreduce"``, ``"allgather"``,
+    ``"reduce_scatter"``, ``"barrier"``) with its own ``timeout`` and ``fields`` (``reduceOp``)."""
+    options = _OPTIONS[kind]()
+    options.timeout = timeout
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+def backend_of(group, device: str):
+    """``group``'s backend for tensors on ``device`` (``"cpu"``, ``"cuda"``), or None."""
+    try:
+        return group._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def backend_timeout(backend) -> datetime.timedelta | None:
+    """The timeout a backend gives a collective that names none (None: it has no such setting)."""
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+def set_backend_timeout(backend, timeout: datetime.timedelta) -> None:
+    """Give the collectives issued on ``backend`` from now on ``timeout`` (gloo: per operation;
+    NCCL: the watchdog's deadline of each work, read as the work is made)."""
+    backend._set_default_timeout(timeout)
+
+
+def collectives_issued(group) -> int | None:
+    """How many collectives this rank has issued on ``group`` (alike on ranks running alike);
+    None where its backend does not count them (a group made by hand)."""
+    try:
+        return group._get_sequence_number_for_group()
+    except RuntimeError:
+        return None
+
+
+def group_store(group):
+    """The store ``group``'s ranks share (its own prefix of the job's store)."""
+    return group.get_group_store()
 
 
 _VIEWS = itertools.count()  # the number of each heads view this process makes (its names)
@@ -416,6 +469,7 @@ def fake_ranks(mesh) -> bool:
 
 
 __all__ += [
+    "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
 

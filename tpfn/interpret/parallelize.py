@@ -32,8 +32,9 @@ from torch.distributed.tensor import DTensor
 from tpfn._fqn import describe, join
 from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
 from tpfn.algebra import cotangent, unpackable
+from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
-from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.moves import Moves, dropout_slice, local_params, param_slots, placements, vocab_mask
 from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, per_head, placed_tensor,
                                     shard_params)
 from tpfn.interpret.rng import sharded
@@ -65,7 +66,7 @@ class Runtime:
 
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True, kernels: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, {}, None, None, None
+        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, Moves(state.bound), None, None, None
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
@@ -111,8 +112,10 @@ class Runtime:
                     output, shape = self._compute(args, kwargs)
                 finally:
                     group.close(output)
-        except RuntimeError as error:  # torch's bare error: the module and the likely cause named
-            if (named := module_error(error, self.mount, self.module, self._first(args, kwargs))) is not None:
+        except BaseException as error:  # told to the other ranks; torch's bare error: the module and cause named
+            named = module_error(error, self.mount, self.module, self._first(args, kwargs))
+            announce(error if named is None else named, self.state.bound)
+            if named is not None:
                 raise named from error
             raise
         finally:
@@ -129,7 +132,9 @@ class Runtime:
             args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx)
             if self.starts is not None:
                 self.starts(args, kwargs)
-            return self.forward(*args, **kwargs), None
+            compiling = torch.compiler.is_compiling()  # (DTensor's collectives as it computes: bounded)
+            with contextlib.nullcontext() if compiling else self.state.bound.issuing():
+                return self.forward(*args, **kwargs), None
         first, shape = self._first(args, kwargs), None
         if first is None and mount.inputs.slots and not mount.inputs.slots[0].untouched:
             raise TypeError(f"input 0 of {mount.where} is None, but {mount.style!r} computes on it "
@@ -268,7 +273,8 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
-                *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True) -> nn.Module:
+                *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True,
+                timeout: float | None = None) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -284,7 +290,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     through the reference route alone (each input moved once to the layout its module computes
     with, the module's own forward on local views or DTensors, each output moved once), which
     defines what a plan computes; ``True`` lets a module kind's fast kernel compute a call where it
-    gives the same numbers and observer behaviour (docs/semantics.md).
+    gives the same numbers and observer behaviour (docs/semantics.md). ``timeout``: seconds (or a
+    ``timedelta``) each of the model's collectives waits at most, from ``parallelize``'s own
+    transfer on; None takes the process group's timeout, at most 10 minutes. A collective that
+    fails or passes it raises a ``CollectiveError`` naming it, its slot and the ranks that had not
+    reached it, and an error raised in a bound module stops the ranks waiting for this one at once
+    (``tpfn.bounded``; docs/errors.md).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -308,6 +319,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
                         "or one style for the module itself (PyTorch plans: tpfn.from_torch(plan)).")
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
+    state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)))
+    try:
+        return _parallelize(module, mesh, plan, src_rank, overlap, kernels, state)
+    except BaseException as error:  # a rank that raises alone: the others stop at once
+        announce(error, state.bound)
+        raise
+
+
+def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, state: State) -> nn.Module:
     bound = resolve(plan, module)
     if not bound:  # as parallelize_module with no plan: the module as it is, with a word
         warnings.warn(f"the plan binds no module of {type(module).__name__}: parallelize shards nothing, "
@@ -326,7 +346,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     if found + tied:
         raise PlanError(found + tied)
 
-    new = shard_params(module, mesh, rule, src_rank=src_rank)
+    new = shard_params(module, mesh, rule, src_rank=src_rank, timeout=state.bound.seconds)
     replacement = {}
     for name, param in new.items():
         old = placed_tensor(module, name)
@@ -337,7 +357,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for name, param in list(table.items()):
                 if param is not None and id(param) in replacement:
                     table[name] = replacement[id(param)]
-    state, readers = State(), {}
+    readers = {}
     for m in bound:
         sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
