@@ -34,7 +34,7 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "hooked",
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "has_pre_hook", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
     "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks", "op_packet",
     "CPU_ATTENTION"]
@@ -80,6 +80,11 @@ def pre_hooked(module: nn.Module) -> bool:
 
 def _user(hook) -> bool:
     return not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
+
+
+def has_pre_hook(module: nn.Module, hook) -> bool:
+    """Whether ``hook`` is one of ``module``'s own forward pre-hooks."""
+    return any(h is hook for h in module._forward_pre_hooks.values())
 
 
 def hooked(module: nn.Module) -> bool:
@@ -238,8 +243,10 @@ def current_mesh():
 
 
 def in_a_graph(t: torch.Tensor) -> bool:
-    """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place)."""
-    return t._use_count() > (2 if t.is_leaf else 1)
+    """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place): saved, or
+    a leaf whose gradient accumulator lives (only a graph keeps it; ``swap_tensors`` would let
+    the swap through and poison it, and the graph's backward would then fail)."""
+    return t._use_count() > 1
 
 
 def gradient_hooks(t: torch.Tensor) -> int:
@@ -474,10 +481,19 @@ __all__ += [
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
 
 
+_DDP_CLASS = nn.parallel.DistributedDataParallel
+_DDP = ("DistributedDataParallel syncs and all-reduces each parameter and gradient as a whole tensor, "
+        "and a parallelized model's are DTensors, each rank's shard; for data parallelism with tpfn, "
+        "fully_shard the parallelized model on the data-parallel mesh (docs/training.md).")
+
+
 def unsupported_mode() -> str | None:
     """Why a parallelized module cannot run in the mode torch is in now (what to do instead),
     or None: ``detect_anomaly`` (its check of every gradient is an op DTensor has no sharding
-    rule for) and ``torch.func`` transforms (they do not run through DTensor parameters)."""
+    rule for), ``torch.func`` transforms (they do not run through DTensor parameters), and the
+    forward of a ``DistributedDataParallel`` around the model."""
+    if _DDP_CLASS._active_ddp_module is not None:
+        return _DDP
     if torch.is_anomaly_enabled():
         return ("torch.autograd.detect_anomaly() checks every gradient with aten._is_any_true, which "
                 "DTensor has no sharding rule for; find the NaN on one device (the model unparallelized), "
@@ -486,6 +502,17 @@ def unsupported_mode() -> str | None:
         return ("torch.func transforms (grad, vmap, jacrev, ...) do not run through DTensor parameters; "
                 "take gradients with torch.autograd (loss.backward() or torch.autograd.grad).")
     return None
+
+
+def _collective_on_dtensors(op, args, kwargs):
+    raise RuntimeError(f"{op} got DTensors, which a torch.distributed collective cannot move (one of your "
+                       f"own takes dtensor.to_local()). {_DDP}")
+
+
+# DistributedDataParallel(model) broadcasts the parameters first: named there, not as an op
+# DTensor has no sharding strategy for (the only thing these ops ever did on DTensors).
+DTensor._op_dispatcher._custom_op_handlers.update(
+    {op: _collective_on_dtensors for op in (torch.ops.c10d.broadcast_.default, torch.ops.c10d.allreduce_.default)})
 
 
 _SET_ASIDE: list = []  # in a forked child: the caller's process groups, kept and never used

@@ -30,13 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
+from tpfn._torch import buffers_of, current_mesh, has_pre_hook, move_gradient_hooks, parameters_of, unsupported_mode
 from tpfn.algebra import cotangent, unpackable
 from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
 from tpfn.interpret.moves import Moves, dropout_slice, local_params, param_slots, placements, vocab_mask
-from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, per_head, placed_tensor,
-                                    shard_params)
+from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, local_value, outputs_of, per_head,
+                                    placed_tensor, shard_params)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.kernels import KERNELS, Group
@@ -199,7 +199,7 @@ class Runtime:
             for key, _ in mount.outputs.keys:
                 if isinstance(output, dict):
                     self.watch(f"output {key!r}", output.get(key))
-        if kernel is None or kernel.output is None:
+        if kernel is None or kernel.output is None or mount.outputs.keys:  # (keys: only a dict has them)
             return outputs_of(output, mount.outputs, self.mesh, self.ctx)
         slot = mount.outputs.slots[0]
         if not isinstance(output, torch.Tensor):
@@ -234,6 +234,10 @@ def _check_mesh(mesh, src_rank) -> None:
         hint = f"mesh[{tp!r}]" if tp else "mesh['tp'] (name the dims with mesh_dim_names)"
         raise ValueError(f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
                          f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}.")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({torch.distributed.get_rank()}) is not in the mesh of ranks "
+                         f"{mesh.mesh.tolist()}; call parallelize on the mesh's ranks only, or pass each rank "
+                         "the mesh it belongs to (mesh['tp'] of init_device_mesh over every rank).")
     if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
                                  or not 0 <= src_rank < mesh.size()):
         raise ValueError(f"'src_rank' must be a rank of the mesh (0..{mesh.size() - 1}) or None "
@@ -364,6 +368,8 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             if isinstance(layout, Partial):  # (frozen now or not: it may be unfrozen later)
                 state.partial_grads.watch(sub, name, join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub, overlap, kernels)
+        if m.params:
+            sub.register_load_state_dict_pre_hook(_whole_to_shards)
         if _reads_replica(sub.forward):
             readers.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
@@ -374,7 +380,44 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             owner.ctx.group = Group()
             for reader in readers:
                 reader.group = owner.ctx.group
+    _no_fused_paths(module)
     return module
+
+
+def _whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` of a whole (plain) tensor into a parameter the bound ``module``'s style
+    placed: this rank's part of it, as a DTensor laid out as the parameter (each rank holds the
+    whole state, as one device's ``state_dict()`` gives it)."""
+    rt = runtime(module)
+    for name, layout in rt.mount.params if rt is not None else ():
+        key, target = prefix + name, placed_tensor(module, name)
+        value = state_dict.get(key)
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == target.shape:
+            state_dict[key] = DTensor.from_local(local_value(value, layout, rt.mesh), target.device_mesh,
+                                                 target.placements, run_check=False, shape=target.shape,
+                                                 stride=target.stride())
+
+
+def _observes(module, args) -> None:
+    """A forward pre-hook that does nothing: a layer with hooks computes by its submodules."""
+
+
+_observes.observes_only = True
+
+
+def _no_fused_paths(module: nn.Module) -> None:
+    """PyTorch's fused encoder path (eval under no_grad) reads a layer's weights directly, past
+    its bound submodules: an ``nn.TransformerEncoderLayer`` holding DTensor parameters gets a
+    pre-hook that only observes (which turns that path off), an ``nn.TransformerEncoder`` of
+    such layers no nested tensors."""
+    for sub in module.modules():
+        if isinstance(sub, (nn.TransformerEncoderLayer, nn.TransformerEncoder)) \
+                and any(isinstance(p, DTensor) for p in sub.parameters()):
+            if isinstance(sub, nn.TransformerEncoder):
+                sub.use_nested_tensor = False
+            elif not has_pre_hook(sub, _observes):
+                sub.register_forward_pre_hook(_observes)
 
 
 def _reads_replica(rt: Runtime) -> bool:

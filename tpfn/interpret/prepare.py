@@ -320,9 +320,13 @@ def inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, ct
         elif i < len(names) and names[i] in kwargs:
             kwargs[names[i]] = one(kwargs[names[i]], slot, grad, what, shape)
     for name, slot in spec.kwargs:
+        i = names.index(name) if name in names else len(args)
         if name in kwargs:
             kwargs[name] = one(kwargs[name], slot, cotangent(slot.out)[0],
                                f"keyword input {name!r} of {where}")
+        elif i < len(args) and (i >= len(spec.slots) or spec.slots[i].untouched):  # passed by position
+            args[i] = one(args[i], slot, cotangent(slot.out)[0], f"keyword input {name!r} of {where} "
+                          f"(passed as input {i})")
     return tuple(args), kwargs
 
 

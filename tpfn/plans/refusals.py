@@ -2,7 +2,8 @@
 problems (``tpfn.plans.mount.problems``): a model ``fully_shard`` already manages, modules whose
 style would never run or could not place them (a lazy module's uninitialized parameters,
 ``nn.MultiheadAttention``'s ``out_proj``, an ``nn.Linear`` subclass with LoRA adapters of its
-own), and gradient hooks that would see one rank's partial sums.
+own), a parameter the plan places that a module outside the plan computes with (a head tied to
+a sharded embedding), and gradient hooks that would see one rank's partial sums.
 
 >>> import torch.nn as nn, tpfn
 >>> model = nn.Sequential(nn.LayerNorm(4))
@@ -18,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from tpfn._fqn import describe, join
-from tpfn._torch import gradient_hooks, parameter
+from tpfn._torch import gradient_hooks, parameter, parameters_of
 from tpfn.layout import Partial
 
 __all__ = ["refusals"]
@@ -27,7 +28,8 @@ __all__ = ["refusals"]
 def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
     """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
     every bound module in ``bound``, on ``n`` ranks (None: any), one line each."""
-    return _fully_sharded(modules) + _unrunnable(modules, bound) + _hooks_on_partial_sums(modules, bound, n)
+    return _fully_sharded(modules) + _unrunnable(modules, bound) + _tied_outside(modules, bound) \
+        + _hooks_on_partial_sums(modules, bound, n)
 
 
 def _fully_sharded(modules: dict) -> list:
@@ -67,6 +69,32 @@ def _unrunnable(modules: dict, bound) -> list:
                          f"{describe(parent, owner)}'s forward reads directly, never calling it, so "
                          f"{m.style!r} would never run; bind the MultiheadAttention {owner!r} itself "
                          "(colwise() shards its heads).")
+    return found
+
+
+def _tied_outside(modules: dict, bound) -> list:
+    """Parameters the plan places that a module outside every bound one also holds (a head tied
+    to a sharded embedding): it would compute on plain inputs with the parameter's shard."""
+    placed = {}  # id(parameter) -> (its name, where the plan places it, how)
+    for m in bound:
+        for name, placement in m.params:
+            owner, _, leaf = join(m.fqn, name).rpartition(".")
+            param = parameters_of(modules[owner]).get(leaf) if owner in modules else None
+            if param is not None:
+                placed.setdefault(id(param), (join(m.fqn, name), placement, m))
+    inside = [m.fqn for m in bound]
+    found = []
+    for fqn, sub in modules.items():
+        if any(fqn == f or not f or fqn.startswith(f + ".") for f in inside):
+            continue  # a bound module's style governs what it and its submodules compute with
+        for leaf, param in parameters_of(sub).items():
+            held = placed.get(id(param)) if param is not None else None
+            if held is not None and held[0] != join(fqn, leaf):
+                name, placement, m = held
+                found.append(f"parameter {join(fqn, leaf)!r} is tied to {name!r}, which {m.style!r} at "
+                             f"{m.where} places {placement!r}, but {describe(sub, fqn)} is outside the plan and "
+                             "would compute with that shard; bind it with a style that places the parameter "
+                             "alike (colwise() for a head tied to a rowwise() embedding), or untie them.")
     return found
 
 

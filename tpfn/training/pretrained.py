@@ -395,8 +395,8 @@ def _unfillable(target) -> str | None:
         return "is weakly referenced, so it cannot be filled in place; load before anything " \
                "keeps a weak reference to it."
     if in_a_graph(t):
-        return "is referenced by an autograd graph, so it cannot be filled in place; load " \
-               "before running forward."
+        return "is referenced by an autograd graph (a forward's outputs are alive), so it cannot be " \
+               "filled in place; run its backward if it is to run, drop its outputs (del loss), then load."
     return None
 
 
