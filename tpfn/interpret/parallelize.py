@@ -7,7 +7,9 @@ the module, in two ways and nowhere else:
 - every parameter the plan places becomes a DTensor parameter (tied ones stay one);
 - every bound module's ``forward`` becomes a ``Runtime``: its inputs through their slots,
   its computation (a fast kernel's, ``tpfn.kernels``, or the module's own forward), its
-  outputs through their slots. A module that computes on local shards (a ``Kernel``) is handed
+  outputs through their slots; and ``load_state_dict`` of one device's whole tensors gives each
+  rank its part (a load pre-hook). PyTorch's fused encoder path, which reads a layer's weights
+  past its submodules, is turned off for the layers it parallelizes. A module that computes on local shards (a ``Kernel``) is handed
   its parameters' local shards for the duration of its own forward only; a ``finally`` puts the
   DTensor parameters back, so no exception, ``KeyboardInterrupt`` or hook can see or keep the swap.
   The attributes its style holds per rank (``per_rank``) hold those values for the same span.
@@ -387,13 +389,15 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
 def _whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
     """``load_state_dict`` of a whole (plain) tensor into a parameter the bound ``module``'s style
     placed: this rank's part of it, as a DTensor laid out as the parameter (each rank holds the
-    whole state, as one device's ``state_dict()`` gives it)."""
+    whole state, as one device's ``state_dict()`` gives it). A parameter laid out on more mesh
+    dims than its layout's (``fully_shard`` since) is left to torch."""
     rt = runtime(module)
     for name, layout in rt.mount.params if rt is not None else ():
         key, target = prefix + name, placed_tensor(module, name)
         value = state_dict.get(key)
+        dims = 2 if isinstance(layout, Shard) and layout.heads is not None and rt.mesh.size() > layout.heads else 1
         if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
-                and value.shape == target.shape:
+                and value.shape == target.shape and len(target.placements) == dims:
             state_dict[key] = DTensor.from_local(local_value(value, layout, rt.mesh), target.device_mesh,
                                                  target.placements, run_check=False, shape=target.shape,
                                                  stride=target.stride())
