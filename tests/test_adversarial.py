@@ -367,6 +367,19 @@ def test_a_transformers_string_in_a_plan_hides_none_of_its_other_problems():
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def test_heads_the_ranks_cannot_split_are_refused_by_parallelize():
+    from tests.models import transformer, transformer_plan
+    from tpfn.dryrun import fake_mesh
+
+    model = transformer(vocab_size=16, n_heads=3, dim=12, n_layers=2)
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, fake_mesh(2), transformer_plan(False), src_rank=None)
+    assert e.value.problems == [
+        "'wq', 'wk', 'wv' of 'layers.0.attention' (Attention) project 3 heads of 4 features: the 2 ranks do not "
+        "divide them, so ranks would hold parts of heads; choose a mesh size that divides 3 (and 1 more like it)."]
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
 class _TiedLM(nn.Module):
     def __init__(self):
         super().__init__()
