@@ -147,9 +147,9 @@ def _fault_in_save(how: str, path: str):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT))
     model = tpfn.parallelize(nn.Linear(4, 8), DeviceMesh.from_group(dist.group.WORLD, "cpu"),
-                             colwise())
+                             colwise())  # (under the pool's timeout: fresh ranks start seconds apart)
+    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT))
     if dist.get_rank() == 0 and how == "raises":
         write = torch.distributed.checkpoint.save
 
