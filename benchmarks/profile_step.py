@@ -48,8 +48,8 @@ GROUPS = (  # (label, predicate on (file, line, function)); first match wins; se
      lambda f, n: f.endswith("tpfn/interpret/prepare.py")),
     ("param views: local_params, _view, _View fwd/bwd (moves.py)",
      lambda f, n: f.endswith("tpfn/interpret/moves.py") and n in ("local_params", "_view")),
-    ("moves: move, _Move, _Step, _steps, placements (moves.py, collectives.py)",
-     lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/interpret/collectives.py"))),
+    ("moves: move, _Move, _Step, _steps, placements (moves.py, bounded.py)",
+     lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/bounded.py"))),
     ("shape memory: Shapes, recall, TENSOR_SHAPES (state.py, _torch.py)",
      lambda f, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith((
          "_accum", "_hook", "_reached", "_reduce", "_param", "_partial", "params", "arm", "watch",

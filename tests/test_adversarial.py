@@ -350,3 +350,209 @@ def test_cross_entropy_names_a_dtensor_target_and_a_count_that_differs(ranks2):
             "rank (got a DTensor laid out (Replicate(),)); pass target.full_tensor().",
             "ValueError: cross_entropy: 'target' must hold one class index per row of the logits, shape (6,) "
             "(got (4,)); flatten both alike: logits.flatten(0, -2) and target.flatten()."]
+
+
+# --- errors that named nothing: now the module, the rule and the fix, or one device's numbers ---
+
+def test_a_transformers_string_in_a_plan_hides_none_of_its_other_problems():
+    from tpfn.dryrun import fake_mesh
+
+    model = _mlp()
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, fake_mesh(2), {"0": "colwise", "2": rowwise(), "3": colwise()}, src_rank=None)
+    assert e.value.problems == [
+        "plan['0'] is the string 'colwise', not a tpfn style; a Hugging Face tp_plan (strings such as "
+        "'colwise') converts whole with tpfn.from_hf(tp_plan, model).",
+        "'3' -> colwise() matches no module; modules here: 0, 1, 2"]
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_heads_the_ranks_cannot_split_are_refused_by_parallelize():
+    from tests.models import transformer, transformer_plan
+    from tpfn.dryrun import fake_mesh
+
+    model = transformer(vocab_size=16, n_heads=3, dim=12, n_layers=2)
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(model, fake_mesh(2), transformer_plan(False), src_rank=None)
+    assert e.value.problems == [
+        "'wq', 'wk', 'wv' of 'layers.0.attention' (Attention) project 3 heads of 4 features: the 2 ranks do not "
+        "divide them, so ranks would hold parts of heads; choose a mesh size that divides 3 (and 1 more like it)."]
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def _tied_head():
+    from tpfn.dryrun import fake_mesh
+
+    with pytest.raises(PlanError) as e:
+        tpfn.parallelize(_TiedLM(), fake_mesh(2), {"emb": rowwise()}, src_rank=None)
+    torch.manual_seed(0)
+    ref = _TiedLM().double()
+    tp = tpfn.parallelize(clone(ref), mesh(2), {"emb": rowwise(), "head": colwise() >> prepare_out(Replicate())})
+    ids = torch.randint(0, 16, (2, 5))
+    ref(ids).pow(2).sum().backward()
+    out = tp(ids)
+    out.pow(2).sum().backward()
+    return e.value.problems, rel_err(out, ref(ids)), rel_err(tp.emb.weight.grad, ref.emb.weight.grad)
+
+
+def test_a_tied_head_left_out_of_the_plan_is_refused_and_bound_gives_one_devices_numbers(ranks2):
+    for problems, out, grad in ranks2.run(_tied_head):
+        assert problems == [
+            "parameter 'head.weight' is tied to 'emb.weight', which rowwise() at 'emb' (Embedding) places "
+            "Shard(dim=0), but 'head' (Linear) is outside the plan and would compute with that shard; bind it "
+            "with a style that places the parameter alike (colwise() for a head tied to a rowwise() embedding), "
+            "or untie them."]
+        assert out <= TOL and grad <= TOL, (out, grad)
+
+
+def _mesh_without_this_rank():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    alone = DeviceMesh("cpu", [0])  # every rank builds it; rank 1 is not in it
+    try:
+        tpfn.parallelize(nn.Linear(4, 8), alone, colwise())
+    except ValueError as error:
+        return str(error)
+    return "parallelized"
+
+
+def test_a_mesh_without_this_rank_is_refused_by_name(ranks2):
+    assert ranks2.run(_mesh_without_this_rank) == [
+        "parallelized",
+        "this rank (1) is not in the mesh of ranks [0]; call parallelize on the mesh's ranks only, or pass "
+        "each rank the mesh it belongs to (mesh['tp'] of init_device_mesh over every rank)."]
+
+
+class _Shifted(nn.Module):
+    def forward(self, x, bias=None):
+        return torch.tanh(x) + bias
+
+
+def _keyword_slot_by_position():
+    """Each rank hands its rows of x and of bias; the module computes on whole ones."""
+    plan = prepare_in(Shard(0), desired=Replicate(), kwargs={"bias": (Shard(0), Replicate())}, local=True)
+    model = tpfn.parallelize(_Shifted(), mesh(2), plan)
+    torch.manual_seed(0)
+    x, bias = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    rank = torch.distributed.get_rank()
+    mine = x.chunk(2)[rank], bias.chunk(2)[rank]
+    expected = _Shifted()(x, bias)
+    return rel_err(model(mine[0], bias=mine[1]), expected), rel_err(model(*mine), expected)
+
+
+def test_a_keyword_slot_passed_by_position_is_laid_out_as_declared(ranks2):
+    for by_keyword, by_position in ranks2.run(_keyword_slot_by_position):
+        assert by_keyword <= TOL and by_position <= TOL, (by_keyword, by_position)
+
+
+def test_keys_on_the_tensor_a_kernel_returns_are_refused_by_name():
+    from tpfn.dryrun import fake_mesh
+    from tpfn.errors import LayoutError
+
+    model = tpfn.parallelize(nn.Sequential(nn.Linear(4, 4)), fake_mesh(2),
+                             {"0": colwise() >> prepare_out(keys={"a": Replicate()})}, src_rank=None)
+    with pytest.raises(LayoutError, match=r"^'0' \(Linear\) returned a Tensor, but the plan lays out outputs by key "
+                                          r"\('a'\), which only a dict has; give prepare_out one layout per position"):
+        model(torch.randn(2, 4))
+
+
+def _whole_state_dict():
+    from tests.test_parts import PLAN, FusedGQA
+    from tpfn.interpret.layouts import full_value, layouts
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(FusedGQA(), nn.Linear(32, 8)).double()
+    tp = tpfn.parallelize(nn.Sequential(FusedGQA(), nn.Linear(32, 8)).double(), mesh(2),
+                          {**{f"0.{k}": v for k, v in PLAN.items()}, "1": colwise() >> prepare_out(Replicate())})
+    tp.load_state_dict(ref.state_dict())  # the whole tensors one device saves
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    placed = layouts(tp)  # (a packed weight's full value puts its parts back in their places)
+    errors = {n: rel_err(full_value(p, placed.get(n)), dict(ref.named_parameters())[n])
+              for n, p in tp.named_parameters()}
+    return max(errors.values()), rel_err(tp(x), ref(x))
+
+
+def test_a_whole_state_dict_loads_into_a_parallelized_model(ranks2):
+    """load_state_dict of one device's state: each rank takes its part (packed parts too)."""
+    for params, out in ranks2.run(_whole_state_dict):
+        assert params == 0 and out <= TOL, (params, out)
+
+
+def _encoder_layer_in_eval():
+    torch.manual_seed(0)
+    plan = {"layers.*.self_attn": colwise(), "layers.*.linear1": colwise(), "layers.*.linear2": rowwise()}
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    ref = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    tp = tpfn.parallelize(clone(ref), mesh(2), plan).eval()
+    x = torch.randn(2, 5, 8)
+    padded = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():  # PyTorch's fused path: it reads the layers' weights directly
+        whole = rel_err(tp(x), ref(x))
+        kept = rel_err(tp(x, src_key_padding_mask=padded)[~padded], ref(x, src_key_padding_mask=padded)[~padded])
+    return whole, kept
+
+
+def test_transformer_encoder_layers_in_eval_under_no_grad_give_one_devices_numbers(ranks2):
+    """float32, one forward: the reorderings of 2 ranks' sums, ~1e-7 (TOL32 of test_mha)."""
+    for whole, kept in ranks2.run(_encoder_layer_in_eval):
+        assert whole <= 1e-5 and kept <= 1e-5, (whole, kept)
+
+
+def _load_with_a_graph_alive(path: str):
+    from tpfn.errors import CheckpointError
+
+    torch.manual_seed(0)
+    tpfn.save_pretrained(_mlp().float(), path)
+    model = tpfn.parallelize(_mlp().float(), mesh(2), MLP_PLAN)
+    before = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    loss = model(torch.randn(2, 8)).sum()
+    with pytest.raises(CheckpointError) as e:
+        tpfn.load_pretrained(model, path)
+    unchanged = all(torch.equal(full(p), before[n]) for n, p in model.named_parameters())
+    loss.backward()  # the graph runs as it was
+    del loss
+    tpfn.load_pretrained(model, path)  # and then the load
+    return e.value.problems[0], unchanged
+
+
+def test_load_pretrained_into_a_model_whose_graph_is_alive_is_refused_by_name(ranks2, tmp_path):
+    for problem, unchanged in ranks2.run(_load_with_a_graph_alive, str(tmp_path)):
+        assert problem.startswith("parameter '0.weight' ('0.weight' in "), problem
+        assert problem.endswith("is referenced by an autograd graph (a forward's outputs are alive), so it cannot "
+                                "be filled in place; run its backward if it is to run, drop its outputs (del loss), "
+                                "then load."), problem
+        assert unchanged
+
+
+def _data_parallel_around():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    found = []
+    for sync in (True, False):
+        model = tpfn.parallelize(_mlp().float(), mesh(2), MLP_PLAN)
+        try:
+            DDP(model, init_sync=sync)(torch.randn(2, 8)).sum().backward()
+        except RuntimeError as error:
+            found.append(str(error))
+    return found
+
+
+def test_distributed_data_parallel_around_a_parallelized_model_is_refused_by_name(ranks2):
+    why = ("DistributedDataParallel syncs and all-reduces each parameter and gradient as a whole tensor, and a "
+           "parallelized model's are DTensors, each rank's shard; for data parallelism with tpfn, fully_shard the "
+           "parallelized model on the data-parallel mesh (docs/training.md).")
+    for found in ranks2.run(_data_parallel_around):
+        assert found == [
+            "c10d.broadcast_.default got DTensors, which a torch.distributed collective cannot move (one of your "
+            f"own takes dtensor.to_local()). {why}",
+            f"'<root>' (Sequential): {why}"]

@@ -284,17 +284,16 @@ def test_heads_and_kv_heads_fewer_than_ranks_are_reported():
     model, plan, x = _llama(num_attention_heads=16, num_key_value_heads=4)
     report = tpfn.explain(model, plan, world_size=4, example_inputs=x)
     assert report.lints == ()
-    with pytest.raises(PlanError) as e:
+    with pytest.raises(PlanError) as e:  # refused by parallelize itself, before any forward
         tpfn.explain(model, plan, world_size=8, example_inputs=x)
-    assert e.value.problems[1:] == [
+    assert e.value.problems == [
         "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 4 heads of 16 "
         "features: fewer heads than the 8 ranks, so colwise() cannot give each rank a whole head; "
         "use at most 4 ranks for tensor parallelism, or replicate the heads over groups of ranks "
         "with colwise(heads=4) (and 1 more like it)."]
-    assert e.value.problems[0].startswith(
-        "the dry run's forward failed in 'model.layers.0.self_attn' (LlamaAttention): RuntimeError:")
-    report = tpfn.explain(model, plan, world_size=3)
-    assert report.lints[0] == (
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(model, plan, world_size=3)
+    assert e.value.problems[0] == (
         "'q_proj' of 'model.layers.0.self_attn' (LlamaAttention) projects 16 heads of 16 features: "
         "the 3 ranks do not divide them, so ranks would hold parts of heads; choose a mesh size "
         "that divides 16 (and 1 more like it).")
@@ -756,10 +755,7 @@ def test_a_symbolic_world_size_names_its_stand_in():
     model, plan, _ = _llama(num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(PlanError) as e:
         tpfn.explain(model, plan, world_size=t, example_inputs=(b, s))
-    assert e.value.problems[0].startswith(
-        "the dry run's forward failed in 'model.layers.0.self_attn' (LlamaAttention) at the "
-        "stand-in sizes b=24, s=40, t=4: RuntimeError:")
-    assert e.value.problems[1:] == [
+    assert e.value.problems == [
         "'k_proj', 'v_proj' of 'model.layers.0.self_attn' (LlamaAttention) project 2 heads of 64 "
         "features: fewer heads than the 4 ranks (the stand-in world size t=4), so colwise() cannot "
         "give each rank a whole head; use at most 2 ranks for tensor parallelism, or replicate the "

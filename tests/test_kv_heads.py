@@ -54,11 +54,15 @@ def _two_kv_heads_at_tp4():
     assert torch.equal(k.to_local(), ref.k_proj.weight.chunk(2)[rank // 2])
     errors, forward, backward = one_step(tp, ref, torch.randn(2, 6, 32, dtype=torch.float64))
     placements = {n: p.grad.placements for n, p in tp.named_parameters() if n[0] in "kv"}
-    return errors, forward, backward, placements
+    fresh = tpfn.parallelize(GQA().double(), mesh(4), PLAN)
+    fresh.load_state_dict(ref.state_dict())  # one device's whole tensors: each rank its heads
+    loaded = torch.equal(fresh.k_proj.weight.to_local(), ref.k_proj.weight.chunk(2)[rank // 2])
+    return errors, forward, backward, placements, loaded
 
 
 def test_two_kv_heads_at_tp4_equal_one_device(ranks4):
-    for errors, forward, backward, grads in ranks4.run(_two_kv_heads_at_tp4):
+    for errors, forward, backward, grads, loaded in ranks4.run(_two_kv_heads_at_tp4):
+        assert loaded
         assert max(errors.values()) <= TOL, errors
         assert len(errors) == 16  # output, input grad, 7 parameters and their 7 gradients
         assert forward == {"all_reduce": 1}  # o_proj's partial sums

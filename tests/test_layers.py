@@ -13,7 +13,7 @@ ROOT = pathlib.Path(tpfn.__file__).parent
 
 # Floors, lowest first; a module may import from its own floor and the floors below.
 FLOORS = [
-    {"tpfn.errors", "tpfn._fqn", "tpfn._torch"},
+    {"tpfn.errors", "tpfn._fqn", "tpfn._torch", "tpfn.bounded"},
     {"tpfn.layout"},
     {"tpfn.algebra"},
     {"tpfn.style"},

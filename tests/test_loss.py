@@ -66,8 +66,9 @@ class _Sizes(TorchDispatchMode):
         self.seen = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if kind(func):
-            self.seen.append((kind(func), args[0].numel()))
+        if kind(func):  # (a c10d op takes a list of tensors, a functional collective one)
+            first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            self.seen.append((kind(func), first.numel()))
         return func(*args, **(kwargs or {}))
 
 

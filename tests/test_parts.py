@@ -310,10 +310,11 @@ def test_explain_shows_the_parts_their_bytes_and_no_fused_lint():
             "into 2 contiguous shards of 32 features, across q, k and v, so each rank computes "
             "attention on the wrong features, silently; use colwise(parts=(32, 16, 16)), which "
             "gives each rank its slice of q, of k and of v.") in plain.lints
-    four = tpfn.explain(model, PLAN, world_size=4)  # 2 KV heads of k and of v on 4 ranks
-    assert ("'qkv_proj' of '<root>' (FusedGQA) projects 2 heads of 8 features: fewer heads than "
-            "the 4 ranks, so colwise() cannot give each rank a whole head; use at most 2 ranks for "
-            "tensor parallelism.") in four.lints
+    with pytest.raises(PlanError) as e:  # 2 KV heads of k and of v on 4 ranks: refused by parallelize
+        tpfn.explain(model, PLAN, world_size=4)
+    assert e.value.problems == [
+        "'qkv_proj' of '<root>' (FusedGQA) projects 2 heads of 8 features: fewer heads than the 4 ranks, so "
+        "colwise() cannot give each rank a whole head; use at most 2 ranks for tensor parallelism."]
 
 
 def test_verify_checks_unequal_parts_against_one_device():

@@ -186,7 +186,10 @@ def test_a_pytorch_style_in_a_plan_names_from_torch():
 
     with pytest.raises(TypeError, match=r"plan\['0'\] is PyTorch's ColwiseParallel\(\.\.\.\), not a "
                                         r"tpfn style; convert the whole plan with tpfn.from_torch"):
-        resolve({"0": ColwiseParallel()}, nn.Sequential(nn.Linear(2, 2)))
+        plan({"0": ColwiseParallel()})
+    with pytest.raises(PlanError, match=r"plan\['0'\] is PyTorch's ColwiseParallel\(\.\.\.\), not a "
+                                        r"tpfn style; convert the whole plan with tpfn.from_torch"):
+        resolve({"0": ColwiseParallel()}, nn.Sequential(nn.Linear(2, 2)))  # one problem among the plan's
 
 
 # Patterns as plans have them: "" (the module itself) or dotted names, globs, layer stars.

@@ -34,7 +34,7 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "hooked",
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "has_pre_hook", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
     "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks", "op_packet",
     "CPU_ATTENTION"]
@@ -80,6 +80,11 @@ def pre_hooked(module: nn.Module) -> bool:
 
 def _user(hook) -> bool:
     return not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
+
+
+def has_pre_hook(module: nn.Module, hook) -> bool:
+    """Whether ``hook`` is one of ``module``'s own forward pre-hooks."""
+    return any(h is hook for h in module._forward_pre_hooks.values())
 
 
 def hooked(module: nn.Module) -> bool:
@@ -238,8 +243,10 @@ def current_mesh():
 
 
 def in_a_graph(t: torch.Tensor) -> bool:
-    """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place)."""
-    return t._use_count() > (2 if t.is_leaf else 1)
+    """Whether an autograd graph holds ``t`` (so that it cannot be swapped in place): saved, or
+    a leaf whose gradient accumulator lives (only a graph keeps it; ``swap_tensors`` would let
+    the swap through and poison it, and the graph's backward would then fail)."""
+    return t._use_count() > 1
 
 
 def gradient_hooks(t: torch.Tensor) -> int:
@@ -271,16 +278,69 @@ def swap_in_place(old: torch.Tensor, new: torch.Tensor) -> None:
         old._post_accumulate_grad_hooks = post
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group):
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, options):
     """Start gathering the ranks' ``x`` into ``out`` (rank-major) on ``group``, any group
-    (registered or not); returns the work to wait on."""
-    return group._allgather_base(out, x)
+    (registered or not), with ``options`` (``collective_options("allgather", ...)``); returns
+    the work to wait on."""
+    return group._allgather_base(out, x, options)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group):
-    """Start summing the ranks' ``x`` and scattering it (rank-major) into ``out`` on ``group``;
-    returns the work to wait on."""
-    return group._reduce_scatter_base(out, x)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, options):
+    """Start summing the ranks' ``x`` and scattering it (rank-major) into ``out`` on ``group``,
+    with ``options``; returns the work to wait on."""
+    return group._reduce_scatter_base(out, x, options)
+
+
+# --- process groups: their backends, timeouts, stores and counts ---------------------------
+
+from torch._C._distributed_c10d import (  # noqa: E402
+    AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceScatterOptions)
+
+_OPTIONS = {"allreduce": AllreduceOptions, "allgather": AllgatherOptions,
+            "reduce_scatter": ReduceScatterOptions, "barrier": BarrierOptions}
+
+
+def collective_options(kind: str, timeout: datetime.timedelta, **fields):
+    """The options of one ``kind`` of collective (``"allreduce"``, ``"allgather"``,
+    ``"reduce_scatter"``, ``"barrier"``) with its own ``timeout`` and ``fields`` (``reduceOp``)."""
+    options = _OPTIONS[kind]()
+    options.timeout = timeout
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+def backend_of(group, device: str):
+    """``group``'s backend for tensors on ``device`` (``"cpu"``, ``"cuda"``), or None."""
+    try:
+        return group._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def backend_timeout(backend) -> datetime.timedelta | None:
+    """The timeout a backend gives a collective that names none (None: it has no such setting)."""
+    return getattr(getattr(backend, "options", None), "_timeout", None)
+
+
+def set_backend_timeout(backend, timeout: datetime.timedelta) -> None:
+    """Give the collectives issued on ``backend`` from now on ``timeout`` (gloo: per operation;
+    NCCL: the watchdog's deadline of each work, read as the work is made)."""
+    backend._set_default_timeout(timeout)
+
+
+def collectives_issued(group) -> int | None:
+    """How many collectives this rank has issued on ``group`` (alike on ranks running alike);
+    None where its backend does not count them (a group made by hand)."""
+    try:
+        return group._get_sequence_number_for_group()
+    except RuntimeError:
+        return None
+
+
+def group_store(group):
+    """The store ``group``'s ranks share (its own prefix of the job's store)."""
+    return group.get_group_store()
 
 
 _VIEWS = itertools.count()  # the number of each heads view this process makes (its names)
@@ -416,14 +476,24 @@ def fake_ranks(mesh) -> bool:
 
 
 __all__ += [
+    "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
+
+
+_DDP_CLASS = nn.parallel.DistributedDataParallel
+_DDP = ("DistributedDataParallel syncs and all-reduces each parameter and gradient as a whole tensor, "
+        "and a parallelized model's are DTensors, each rank's shard; for data parallelism with tpfn, "
+        "fully_shard the parallelized model on the data-parallel mesh (docs/training.md).")
 
 
 def unsupported_mode() -> str | None:
     """Why a parallelized module cannot run in the mode torch is in now (what to do instead),
     or None: ``detect_anomaly`` (its check of every gradient is an op DTensor has no sharding
-    rule for) and ``torch.func`` transforms (they do not run through DTensor parameters)."""
+    rule for), ``torch.func`` transforms (they do not run through DTensor parameters), and the
+    forward of a ``DistributedDataParallel`` around the model."""
+    if _DDP_CLASS._active_ddp_module is not None:
+        return _DDP
     if torch.is_anomaly_enabled():
         return ("torch.autograd.detect_anomaly() checks every gradient with aten._is_any_true, which "
                 "DTensor has no sharding rule for; find the NaN on one device (the model unparallelized), "
@@ -432,6 +502,17 @@ def unsupported_mode() -> str | None:
         return ("torch.func transforms (grad, vmap, jacrev, ...) do not run through DTensor parameters; "
                 "take gradients with torch.autograd (loss.backward() or torch.autograd.grad).")
     return None
+
+
+def _collective_on_dtensors(op, args, kwargs):
+    raise RuntimeError(f"{op} got DTensors, which a torch.distributed collective cannot move (one of your "
+                       f"own takes dtensor.to_local()). {_DDP}")
+
+
+# DistributedDataParallel(model) broadcasts the parameters first: named there, not as an op
+# DTensor has no sharding strategy for (the only thing these ops ever did on DTensors).
+DTensor._op_dispatcher._custom_op_handlers.update(
+    {op: _collective_on_dtensors for op in (torch.ops.c10d.broadcast_.default, torch.ops.c10d.allreduce_.default)})
 
 
 _SET_ASIDE: list = []  # in a forked child: the caller's process groups, kept and never used

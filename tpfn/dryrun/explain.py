@@ -277,13 +277,18 @@ def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: d
 
 
 def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
+    symbol = shown if isinstance(shown, sympy.Basic) else None
     with warnings.catch_warnings():  # an empty plan: the whole model, on purpose (a baseline)
         warnings.filterwarnings("ignore", "the plan binds no module", UserWarning)
-        parallelize(model, mesh, plan, src_rank=None, **options)
+        try:
+            parallelize(model, mesh, plan, src_rank=None, **options)
+        except PlanError as e:  # its refusals, naming the stand-in world size
+            if symbol is None:
+                raise
+            raise PlanError([p.replace(f"the {n} ranks", lint.named_ranks(n, symbol)) for p in e.problems]) from e
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
-    symbol = shown if isinstance(shown, sympy.Basic) else None
-    wrong = [*lint.heads(model, n, mounts, symbol), *lint.head_counts(model, n, mounts, symbol),
+    wrong = [*lint.head_counts(model, n, mounts, symbol),
              *lint.fused(model, n, mounts)]  # the warnings; then the notes
     lints = [*wrong, *lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n),
              *lint.siblings(model, rows)]

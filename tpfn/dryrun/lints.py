@@ -38,11 +38,11 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
-from tpfn.plans.kinds import Conv1D
+from tpfn.plans.refusals import linear_width, local_colwise, part_widths, projected_heads
 from tpfn.style.constructors import per_rank
 
-__all__ = ["uneven", "heads", "replicated_heads", "head_counts", "fused", "siblings", "failure",
-           "failing_module", "local_colwise"]
+__all__ = ["uneven", "replicated_heads", "head_counts", "fused", "siblings", "failure",
+           "failing_module", "local_colwise", "named_ranks"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -56,13 +56,6 @@ HEAD_SIZES = ("head_dim", "head_size", "attention_head_size", "d_head", "dim_hea
 WIDTHS = ("n_embd", "n_embed", "embed_dim", "hidden_size", "d_model", "dim", "all_head_size")
 
 
-def local_colwise(mounts: dict, fqn: str):
-    """The colwise() core bound at ``fqn`` with local outputs, or None."""
-    mount = mounts.get(fqn)
-    core = None if mount is None else mount.style.core
-    return core if getattr(core, "kind", None) == "colwise" and mount.outputs.local else None
-
-
 def _shards(mounts: dict, fqn: str):
     """The colwise() core at ``fqn`` whose module hands on local shards (not gathered), or None."""
     core = local_colwise(mounts, fqn)
@@ -73,7 +66,7 @@ def _shards(mounts: dict, fqn: str):
     return core if last is None or isinstance(last, Shard) else None
 
 
-def _ranks(world_size: int, shown=None) -> str:
+def named_ranks(world_size: int, shown=None) -> str:
     """``'the 4 ranks'``, naming the stand-in where the world size is a symbol."""
     if shown is None or shown == world_size:
         return f"the {world_size} ranks"
@@ -101,15 +94,10 @@ def _config(module: nn.Module, fqn: str, names):
     return None
 
 
-def _out(child: nn.Module):
-    """The output features of a linear layer (``nn.Linear``, transformers' ``Conv1D``), else None."""
-    return child.out_features if isinstance(child, nn.Linear) else child.nf if isinstance(child, Conv1D) else None
-
-
 def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
     """``[(name, child, core)]``: the linear children bound to colwise() with local shards."""
     found = [(name, child, _shards(mounts, join(fqn, name))) for name, child in sub.named_children()]
-    return [(name, child, core) for name, child, core in found if core is not None and _out(child)]
+    return [(name, child, core) for name, child, core in found if core is not None and linear_width(child)]
 
 
 def _once(found: list) -> list:
@@ -138,90 +126,35 @@ def uneven(rows, world_size: int) -> list:
     return _once(found)
 
 
-def _widths(child: nn.Module, core) -> tuple:
-    """The output features of each part a colwise() core packs in ``child``."""
-    return Shard(0, core.parts).sizes(_out(child))
-
-
-def _heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
-    """``{(heads, replicated): [child names]}`` of the colwise() projections of an attention
-    module (one with an int ``head_dim``): the heads each part projects, and whether
-    ``heads=`` replicates them over groups of ranks."""
-    head_dim = getattr(sub, "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim < 1:
-        return {}
-    out: dict = {}
-    for name, child in sub.named_children():
-        core = local_colwise(mounts, join(fqn, name))
-        if core is None or not _out(child):
-            continue
-        for width in dict.fromkeys(_widths(child, core)):
-            if width % head_dim == 0:
-                out.setdefault((width // head_dim, core.heads is not None), []).append(name)
-    return out
-
-
-def heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
-    """Column-wise projections of an attention module whose heads (or KV heads) the ranks
-    cannot split into whole heads each; ``mounts`` maps FQNs to ``tpfn.mounted(...)``.
+def replicated_heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
+    """KV heads that ``colwise(heads=h)`` replicates over groups of ranks, explained: each
+    group holds one head, and the gradients of its copies are summed at the end of the backward;
+    ``mounts`` maps FQNs to ``tpfn.mounted(...)``. (Heads the ranks cannot split into whole heads
+    each are refused by ``parallelize``: ``tpfn.plans.refusals``.)
 
     >>> from tpfn.dryrun import fake_mesh
     >>> attention = nn.Module()
     >>> attention.head_dim, attention.q, attention.k = 4, nn.Linear(16, 16), nn.Linear(16, 8)
-    >>> _ = tpfn.parallelize(attention, fake_mesh(4), {"q": colwise(), "k": colwise()}, src_rank=None)
-    >>> heads(attention, 4, {"q": tpfn.mounted(attention.q), "k": tpfn.mounted(attention.k)})
-    ["'k' of '<root>' (Module) projects 2 heads of 4 features: fewer heads than the 4 ranks, so colwise() cannot give each rank a whole head; use at most 2 ranks for tensor parallelism, or replicate the heads over groups of ranks with colwise(heads=2)."]
-
-    Only key and value heads (fewer than the query heads beside them) are offered
-    ``colwise(heads=h)``: a query head held twice would be summed twice by the output
-    projection.
+    >>> plan = {"q": colwise(), "k": colwise(heads=2)}
+    >>> _ = tpfn.parallelize(attention, fake_mesh(4), plan, src_rank=None)
+    >>> replicated_heads(attention, 4, {"q": tpfn.mounted(attention.q), "k": tpfn.mounted(attention.k)})
+    ["'k' of '<root>' (Module) replicates 2 heads of 4 features over the 4 ranks: each head is held by a group of 2 ranks (colwise(heads=2)), whose copies each see their own ranks' query heads, so at the end of the backward the gradients of the 2 replicated parameters (68 elements per rank) are summed within each group, in one all-reduce."]
     """
-    return _once([(key, sentence) for replicated, key, sentence in _head_findings(
-        module, world_size, mounts, shown) if not replicated])
-
-
-def replicated_heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
-    """KV heads that ``colwise(heads=h)`` replicates over groups of ranks, explained: each
-    group holds one head, and the gradients of its copies are summed at the end of the backward."""
-    return _once([(key, sentence) for replicated, key, sentence in _head_findings(
-        module, world_size, mounts, shown) if replicated])
-
-
-def _head_findings(module: nn.Module, world_size: int, mounts: dict, shown) -> list:
-    """``(replicated, key, sentence)`` of every attention module's column-wise heads."""
     found = []
     for fqn, sub in module.named_modules():
-        counts = _heads(sub, fqn, mounts)
-        most = max((n for n, _ in counts), default=0)  # the query heads, where fewer are KV heads
-        ranks = _ranks(world_size, shown)
-        for (n, replicated), names in counts.items():
+        for (n, replicated), names in projected_heads(sub, fqn, mounts).items():
+            if not replicated or n >= world_size:
+                continue
             who, many = f"{', '.join(map(repr, names))} of {describe(sub, fqn)}", len(names) != 1
-            if replicated:
-                if n >= world_size:
-                    continue
-                params = [(name, p) for name in names for p, _ in mounts[join(fqn, name)].params]
-                numel = sum(sub.get_submodule(name).get_parameter(p).numel() for name, p in params)
-                found.append((True, generalize(fqn) + str(n) + "r", (
-                    f"{who} replicate{'' if many else 's'} {n} heads of {sub.head_dim} features over "
-                    f"{ranks}: each head is held by a group of {world_size // n} ranks (colwise(heads={n})), "
-                    "whose copies each see their own ranks' query heads, so at the end of the backward the "
-                    f"gradients of the {len(params)} replicated parameter{'s' * (len(params) != 1)} "
-                    f"({numel // n} elements per rank) are summed within each group, in one all-reduce.")))
-                continue
-            if n < world_size:
-                single = all(local_colwise(mounts, join(fqn, name)).parts == 1 for name in names)
-                fix = (f", or replicate the heads over groups of ranks with colwise(heads={n})"
-                       if world_size % n == 0 and single and n < most else "")
-                problem = (f"fewer heads than {ranks}, so colwise() cannot give each rank a whole head; "
-                           f"use at most {n} ranks for tensor parallelism{fix}")
-            elif n % world_size:
-                problem = (f"{ranks} do not divide them, so ranks would hold parts of heads; choose a mesh "
-                           f"size that divides {n}")
-            else:
-                continue
-            found.append((False, generalize(fqn) + str(n), f"{who} project{'' if many else 's'} {n} heads of "
-                          f"{sub.head_dim} features: {problem}."))
-    return found
+            params = [(name, p) for name in names for p, _ in mounts[join(fqn, name)].params]
+            numel = sum(sub.get_submodule(name).get_parameter(p).numel() for name, p in params)
+            found.append((generalize(fqn) + str(n) + "r", (
+                f"{who} replicate{'' if many else 's'} {n} heads of {sub.head_dim} features over "
+                f"{named_ranks(world_size, shown)}: each head is held by a group of {world_size // n} ranks "
+                f"(colwise(heads={n})), whose copies each see their own ranks' query heads, so at the end of "
+                f"the backward the gradients of the {len(params)} replicated parameter{'s' * (len(params) != 1)} "
+                f"({numel // n} elements per rank) are summed within each group, in one all-reduce.")))
+    return _once(found)
 
 
 def _global(sub, fqn, module, value, kv, widths, size):
@@ -266,12 +199,12 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
         children = _local_children(sub, fqn, mounts)
         if not children:
             continue
-        widths = {name: _widths(child, core)[0] for name, child, core in children}
+        widths = {name: part_widths(child, core)[0] for name, child, core in children}
         cores = {name: core for name, _, core in children}
         size = next((v for _, v in _held(sub, HEAD_SIZES)), None)
         local_here = {path for path, _ in getattr(mounts.get(fqn), "sizes", ())}  # per_rank(...)
         found += _ratios(sub, fqn, world_size, cores, shown, local_here)
-        ranks = _ranks(world_size, shown)
+        ranks = named_ranks(world_size, shown)
         for names, kv in ((HEADS, False), (KV_HEADS, True)):
             for attr, value in _held(sub, names):
                 members = [] if attr in local_here else _global(sub, fqn, module, value, kv, widths, size)
@@ -319,7 +252,7 @@ def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown, local
         found.append((generalize(fqn) + "." + attr, (
             f"{describe(sub, fqn)} holds {attr} = {value}, the query heads per KV head of the "
             f"whole model, but {whose} replicate{'s' if len(kv) == 1 else ''} each of their {h} "
-            f"KV heads over a group of {world_size // h} of {_ranks(world_size, shown)}: each "
+            f"KV heads over a group of {world_size // h} of {named_ranks(world_size, shown)}: each "
             f"rank computes {local} query head{'s' * (local != 1)} against 1 KV head, so "
             f"repeating the KV heads by {attr} (transformers' eager attention, or its sdpa with "
             f"a mask) makes {value} KV heads for {local}; take the ratio from the local shapes "
@@ -365,7 +298,7 @@ def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
         q, total = heads * size, (heads + 2 * kv) * size
         right = (q, kv * size, kv * size)
         for name, child, core in children:
-            if _out(child) != total or Shard(0, core.parts).sizes(total) == right:
+            if linear_width(child) != total or Shard(0, core.parts).sizes(total) == right:
                 continue
             cut = (f"cuts its output into {world_size} contiguous shards of {total // world_size} "
                    "features, across q, k and v" if core.parts == 1 else
@@ -451,7 +384,7 @@ def _unpack_hint(sub, fqn: str, mounts: dict, world_size: int, text: str):
         return None
     expected, got = map(int, counts.groups())
     name, child, core = next((c for c in children if c[2].parts == expected), children[0])
-    out, parts = _out(child), len(_widths(child, core))
+    out, parts = linear_width(child), len(part_widths(child, core))
     part = out // (parts if parts > 1 else expected)
     width = next((n for n, v in _held(sub, WIDTHS) if v == part), None)
     attr, hold = ("", "") if width is None else (f" ({width} = {part})", f" with {per_rank(width)!r} in its style")
@@ -538,7 +471,7 @@ def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int
     sub = module.get_submodule(fqn) if fqn is not None else None
     local = [name for name, _ in sub.named_children() if local_colwise(mounts, join(fqn, name))] \
         if sub is not None else []
-    split = sub is not None and all(n % world_size == 0 for n, replicated in _heads(sub, fqn, mounts)
+    split = sub is not None and all(n % world_size == 0 for n, replicated in projected_heads(sub, fqn, mounts)
                                     if not replicated)
     sep = " " if message[-1] in ".!?" else ". "
     name, hint = fqn or "<root>", None

@@ -19,32 +19,31 @@ every rank (the same program made it), so every rank issues the exchange at the 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import tensor as _dt
 
 from tpfn._torch import fake_ranks, simulated_shapes
 from tpfn.algebra import chunk_bounds
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import collective
+from tpfn.bounded import all_gather, collective
 from tpfn.layout import from_torch
 
 __all__ = ["agreed_shape"]
 
 
-def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str) -> tuple | None:
+def agreed_shape(local: torch.Tensor, placements: tuple, mesh, what: str, timeout: float | None = None) -> tuple | None:
     """The global shape that the ranks' local shapes of ``local`` (laid out by the torch ``placements``
     on the 1-D ``mesh``) make, or None where no other rank can answer (a dry run's fake ranks:
     ``tpfn.explain`` does not count these exchanges); ranks that ``LocalTensorMode`` simulates answer
-    with no collective. Every rank calls it at the same point; ``what`` names the slot."""
+    with no collective. Every rank calls it at the same point; ``what`` names the slot; the exchange
+    waits ``timeout`` seconds at most (``tpfn.bounded``)."""
     n, shapes = mesh.size(), simulated_shapes(local.shape)
     if shapes is None:  # real ranks: each tells the others
         shape = tuple(local.shape)
         if not all(type(s) is int for s in shape) or fake_ranks(mesh):  # a dry run's ranks cannot answer
             return None
         mine = torch.tensor(shape, dtype=torch.int64, device=mesh.device_type)
-        everyone = torch.empty((n * len(shape),), dtype=torch.int64, device=mesh.device_type)
-        with collective(f"the exchange of the local shapes of {what}", mesh):
-            dist.all_gather_single(everyone, mine, group=mesh.get_group())
+        with collective(f"the exchange of the local shapes of {what}", mesh, timeout) as bound:
+            everyone = all_gather(mine, 0, n, bound)
         shapes = [tuple(s) for s in everyone.view(n, len(shape)).tolist()]
     (p,) = placements
     layout, dim = from_torch(placements)[0], p.dim

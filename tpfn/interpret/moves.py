@@ -17,11 +17,9 @@ to the process.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import tensor as _dt
 from torch.distributed.tensor import DTensor
@@ -29,13 +27,15 @@ from torch.distributed.tensor import DTensor
 from tpfn._torch import (DTensorSpec, HookIdentity, TensorMeta, assert_async, buffers_of, local_tensor,
                          parameters_of, per_rank, redistribute_local_tensor, spec_of)
 from tpfn.algebra import chunk_bounds, contiguous_strides, transition
+from tpfn.bounded import Bound
+from tpfn.bounded import failed as named
+from tpfn.bounded import step as plain_step
 from tpfn.errors import CollectiveError
-from tpfn.interpret.collectives import step as plain_step
 from tpfn.interpret.terms import scaled
 from tpfn.layout import Partial, from_torch, to_torch
 
-__all__ = ["move", "steps", "placements", "failed", "collective", "first_order", "param_slots", "local_params",
-           "grad_spec", "unhooked", "vocab_mask", "dropout_slice"]
+__all__ = ["Moves", "bound_of", "move", "steps", "placements", "failed", "first_order", "param_slots",
+           "local_params", "grad_spec", "unhooked", "vocab_mask", "dropout_slice"]
 
 _placements = functools.lru_cache(maxsize=1024)(to_torch)
 
@@ -48,29 +48,27 @@ def placements(layout, ndim: int) -> tuple:
     return _placements(layout, ndim)
 
 
-def failed(what: str, src, dst, error: Exception, mesh) -> CollectiveError:
+class Moves(dict):
+    """A module's moves, by what they move (``steps``' cache), and the ``Bound`` their
+    collectives wait with (None: their group's)."""
+
+    __slots__ = ("bound",)
+
+    def __init__(self, bound: Bound | None = None):
+        super().__init__()
+        self.bound = bound
+
+
+def bound_of(cache: dict, mesh) -> Bound:
+    """The bound the collectives of the moves in ``cache`` on ``mesh`` wait with."""
+    bound = getattr(cache, "bound", None)
+    return Bound(mesh.get_group(), mesh.device_type) if bound is None else bound
+
+
+def failed(what: str, src, dst, error: Exception, bound: Bound) -> CollectiveError:
     """The error for a collective that failed while moving ``what`` from layout src to dst."""
     kinds = " and ".join(s.collective.replace("_", "-") for s in transition(src, dst) if s.collective)
-    return _failed(f"the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r})", error, mesh)
-
-
-def _failed(what: str, error: Exception, mesh) -> CollectiveError:
-    return CollectiveError(
-        f"rank {dist.get_rank() if dist.is_initialized() else mesh.get_local_rank()}: {what} "
-        f"failed: {error}. Another rank has most likely failed (its own error says why) or runs "
-        "another plan; the wait is bounded by the process group's timeout (init_process_group(timeout=...)).")
-
-
-@contextlib.contextmanager
-def collective(what: str, mesh):
-    """Inside, a collective that fails raises a ``CollectiveError`` naming ``what`` it served
-    (``"the all-reduce of cross_entropy's per-token maxima"``)."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as error:
-        raise _failed(what, error, mesh) from error
+    return named(f"the {kinds} that moves {what} ({src[0]!r} -> {dst[0]!r})", error, bound)
 
 
 def first_order(what: str) -> None:
@@ -85,13 +83,13 @@ def first_order(what: str) -> None:
 
 class _Step:
     """One move of a local tensor between torch placements: a plain collective where one
-    does it (``tpfn.interpret.collectives``), else DTensor's ``redistribute_local_tensor``;
-    a failed collective is named after the slot it served."""
+    does it (``tpfn.bounded.step``), else DTensor's ``redistribute_local_tensor``; either
+    waits at most ``bound``, and a failed collective is named after the slot it served."""
 
-    __slots__ = ("plain", "specs")
+    __slots__ = ("plain", "specs", "bound")
 
-    def __init__(self, mesh, src, dst, shape: tuple, dtype):
-        self.plain = plain_step(src, dst, mesh, shape)
+    def __init__(self, mesh, src, dst, shape: tuple, dtype, bound: Bound):
+        self.plain, self.bound = plain_step(src, dst, mesh, shape, bound), bound
         self.specs = (_spec(mesh, src, shape, dtype), _spec(mesh, dst, shape, dtype))
 
     def __call__(self, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -103,7 +101,8 @@ class _Step:
         returns the result (a move that DTensor's path makes is done before this returns)."""
         try:
             if self.plain is None or type(x) is not torch.Tensor or x.device.type == "meta":
-                done = redistribute_local_tensor(x.contiguous(), *self.specs)
+                with self.bound.issuing():
+                    done = redistribute_local_tensor(x.contiguous(), *self.specs)
                 return lambda: done
             finish = self.plain(x, wait=False)
         except RuntimeError as error:
@@ -118,7 +117,7 @@ class _Step:
 
     def _failed(self, what: str, error: Exception) -> CollectiveError:
         src, dst = (from_torch(spec.placements) for spec in self.specs)
-        return failed(what, src, dst, error, self.specs[0].mesh)
+        return failed(what, src, dst, error, self.bound)
 
 
 class _Move(torch.autograd.Function):
@@ -147,15 +146,15 @@ def _spec(mesh, placement, shape: tuple, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, (placement,), tensor_meta=meta)
 
 
-def _steps(mesh, src, dst, grad, global_shape: tuple, dtype) -> tuple:
+def _steps(mesh, src, dst, grad, global_shape: tuple, dtype, bound: Bound) -> tuple:
     if mesh.size() == 1:  # one rank: every layout is the whole tensor
         return None, None
     ndim = len(global_shape)
     src, dst = placements(src, ndim)[0], placements(dst, ndim)[0]
     back = None if grad is None else placements(grad, ndim)[0]
     target = _dt.Replicate() if src.is_partial() else src
-    forward = None if src == dst else _Step(mesh, src, dst, global_shape, dtype)
-    backward = None if back is None or back == target else _Step(mesh, back, target, global_shape, dtype)
+    forward = None if src == dst else _Step(mesh, src, dst, global_shape, dtype, bound)
+    backward = None if back is None or back == target else _Step(mesh, back, target, global_shape, dtype, bound)
     return forward, backward
 
 
@@ -170,11 +169,12 @@ def steps(src, dst, grad, mesh, global_shape: tuple, dtype, cache: dict) -> tupl
     """(forward step, backward step) of the move of a local tensor of ``global_shape`` from
     layout ``src`` to ``dst``, its gradient arriving in ``grad`` (None: it needs none) and
     leaving in ``src``'s cotangent layout; each a ``_Step`` (``step(x, what)``, or
-    ``step.start(x, what)()``), None where nothing moves. ``cache`` keeps them per move."""
+    ``step.start(x, what)()``), None where nothing moves. ``cache`` keeps them per move
+    (a ``Moves``: with the bound of their collectives)."""
     key = (src, dst, grad, global_shape, dtype)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = _steps(mesh, src, dst, grad, global_shape, dtype)
+        found = cache[key] = _steps(mesh, src, dst, grad, global_shape, dtype, bound_of(cache, mesh))
     return found
 
 

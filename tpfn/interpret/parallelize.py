@@ -7,7 +7,9 @@ the module, in two ways and nowhere else:
 - every parameter the plan places becomes a DTensor parameter (tied ones stay one);
 - every bound module's ``forward`` becomes a ``Runtime``: its inputs through their slots,
   its computation (a fast kernel's, ``tpfn.kernels``, or the module's own forward), its
-  outputs through their slots. A module that computes on local shards (a ``Kernel``) is handed
+  outputs through their slots; and ``load_state_dict`` of one device's whole tensors gives each
+  rank its part (a load pre-hook). PyTorch's fused encoder path, which reads a layer's weights
+  past its submodules, is turned off for the layers it parallelizes. A module that computes on local shards (a ``Kernel``) is handed
   its parameters' local shards for the duration of its own forward only; a ``finally`` puts the
   DTensor parameters back, so no exception, ``KeyboardInterrupt`` or hook can see or keep the swap.
   The attributes its style holds per rank (``per_rank``) hold those values for the same span.
@@ -30,12 +32,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import buffers_of, current_mesh, move_gradient_hooks, parameters_of, unsupported_mode
+from tpfn._torch import buffers_of, current_mesh, has_pre_hook, move_gradient_hooks, parameters_of, unsupported_mode
 from tpfn.algebra import cotangent, unpackable
+from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
-from tpfn.interpret.moves import dropout_slice, local_params, param_slots, placements, vocab_mask
-from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, outputs_of, per_head, placed_tensor,
-                                    shard_params)
+from tpfn.interpret.moves import Moves, dropout_slice, local_params, param_slots, placements, vocab_mask
+from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, local_value, outputs_of, per_head,
+                                    placed_tensor, shard_params)
 from tpfn.interpret.rng import sharded
 from tpfn.interpret.state import State
 from tpfn.kernels import KERNELS, Group
@@ -65,7 +68,7 @@ class Runtime:
 
     def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True, kernels: bool = True):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, {}, None, None, None
+        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, Moves(state.bound), None, None, None
         kernel = mount.kernel
         own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
         self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
@@ -111,8 +114,10 @@ class Runtime:
                     output, shape = self._compute(args, kwargs)
                 finally:
                     group.close(output)
-        except RuntimeError as error:  # torch's bare error: the module and the likely cause named
-            if (named := module_error(error, self.mount, self.module, self._first(args, kwargs))) is not None:
+        except BaseException as error:  # told to the other ranks; torch's bare error: the module and cause named
+            named = module_error(error, self.mount, self.module, self._first(args, kwargs))
+            announce(error if named is None else named, self.state.bound)
+            if named is not None:
                 raise named from error
             raise
         finally:
@@ -129,7 +134,9 @@ class Runtime:
             args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx)
             if self.starts is not None:
                 self.starts(args, kwargs)
-            return self.forward(*args, **kwargs), None
+            compiling = torch.compiler.is_compiling()  # (DTensor's collectives as it computes: bounded)
+            with contextlib.nullcontext() if compiling else self.state.bound.issuing():
+                return self.forward(*args, **kwargs), None
         first, shape = self._first(args, kwargs), None
         if first is None and mount.inputs.slots and not mount.inputs.slots[0].untouched:
             raise TypeError(f"input 0 of {mount.where} is None, but {mount.style!r} computes on it "
@@ -194,7 +201,7 @@ class Runtime:
             for key, _ in mount.outputs.keys:
                 if isinstance(output, dict):
                     self.watch(f"output {key!r}", output.get(key))
-        if kernel is None or kernel.output is None:
+        if kernel is None or kernel.output is None or mount.outputs.keys:  # (keys: only a dict has them)
             return outputs_of(output, mount.outputs, self.mesh, self.ctx)
         slot = mount.outputs.slots[0]
         if not isinstance(output, torch.Tensor):
@@ -229,6 +236,10 @@ def _check_mesh(mesh, src_rank) -> None:
         hint = f"mesh[{tp!r}]" if tp else "mesh['tp'] (name the dims with mesh_dim_names)"
         raise ValueError(f"parallelize takes the 1-D tensor-parallel mesh, got a {mesh.ndim}-D mesh "
                          f"{tuple(mesh.shape)} with dims {names or 'unnamed'}; pass {hint}.")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank ({torch.distributed.get_rank()}) is not in the mesh of ranks "
+                         f"{mesh.mesh.tolist()}; call parallelize on the mesh's ranks only, or pass each rank "
+                         "the mesh it belongs to (mesh['tp'] of init_device_mesh over every rank).")
     if src_rank is not None and (isinstance(src_rank, bool) or not isinstance(src_rank, int)
                                  or not 0 <= src_rank < mesh.size()):
         raise ValueError(f"'src_rank' must be a rank of the mesh (0..{mesh.size() - 1}) or None "
@@ -268,7 +279,8 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
-                *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True) -> nn.Module:
+                *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True,
+                timeout: float | None = None) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -284,7 +296,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     through the reference route alone (each input moved once to the layout its module computes
     with, the module's own forward on local views or DTensors, each output moved once), which
     defines what a plan computes; ``True`` lets a module kind's fast kernel compute a call where it
-    gives the same numbers and observer behaviour (docs/semantics.md).
+    gives the same numbers and observer behaviour (docs/semantics.md). ``timeout``: seconds (or a
+    ``timedelta``) each of the model's collectives waits at most, from ``parallelize``'s own
+    transfer on; None takes the process group's timeout, at most 10 minutes. A collective that
+    fails or passes it raises a ``CollectiveError`` naming it, its slot and the ranks that had not
+    reached it, and an error raised in a bound module stops the ranks waiting for this one at once
+    (``tpfn.bounded``; docs/errors.md).
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -308,6 +325,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
                         "or one style for the module itself (PyTorch plans: tpfn.from_torch(plan)).")
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
+    state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)))
+    try:
+        return _parallelize(module, mesh, plan, src_rank, overlap, kernels, state)
+    except BaseException as error:  # a rank that raises alone: the others stop at once
+        announce(error, state.bound)
+        raise
+
+
+def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, state: State) -> nn.Module:
     bound = resolve(plan, module)
     if not bound:  # as parallelize_module with no plan: the module as it is, with a word
         warnings.warn(f"the plan binds no module of {type(module).__name__}: parallelize shards nothing, "
@@ -326,7 +352,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     if found + tied:
         raise PlanError(found + tied)
 
-    new = shard_params(module, mesh, rule, src_rank=src_rank)
+    new = shard_params(module, mesh, rule, src_rank=src_rank, timeout=state.bound.seconds)
     replacement = {}
     for name, param in new.items():
         old = placed_tensor(module, name)
@@ -337,13 +363,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             for name, param in list(table.items()):
                 if param is not None and id(param) in replacement:
                     table[name] = replacement[id(param)]
-    state, readers = State(), {}
+    readers = {}
     for m in bound:
         sub = modules[m.fqn]
         for name, layout in (m.kernel.grads if m.kernel else ()):
             if isinstance(layout, Partial):  # (frozen now or not: it may be unfrozen later)
                 state.partial_grads.watch(sub, name, join(m.fqn, name))
         sub.forward = Runtime(m, mesh, state, sub, overlap, kernels)
+        if m.params:
+            sub.register_load_state_dict_pre_hook(_whole_to_shards)
         if _reads_replica(sub.forward):
             readers.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
@@ -354,7 +382,46 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
             owner.ctx.group = Group()
             for reader in readers:
                 reader.group = owner.ctx.group
+    _no_fused_paths(module)
     return module
+
+
+def _whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` of a whole (plain) tensor into a parameter the bound ``module``'s style
+    placed: this rank's part of it, as a DTensor laid out as the parameter (each rank holds the
+    whole state, as one device's ``state_dict()`` gives it). A parameter laid out on more mesh
+    dims than its layout's (``fully_shard`` since) is left to torch."""
+    rt = runtime(module)
+    for name, layout in rt.mount.params if rt is not None else ():
+        key, target = prefix + name, placed_tensor(module, name)
+        value = state_dict.get(key)
+        dims = 2 if isinstance(layout, Shard) and layout.heads is not None and rt.mesh.size() > layout.heads else 1
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and value.shape == target.shape and len(target.placements) == dims:
+            state_dict[key] = DTensor.from_local(local_value(value, layout, rt.mesh), target.device_mesh,
+                                                 target.placements, run_check=False, shape=target.shape,
+                                                 stride=target.stride())
+
+
+def _observes(module, args) -> None:
+    """A forward pre-hook that does nothing: a layer with hooks computes by its submodules."""
+
+
+_observes.observes_only = True
+
+
+def _no_fused_paths(module: nn.Module) -> None:
+    """PyTorch's fused encoder path (eval under no_grad) reads a layer's weights directly, past
+    its bound submodules: an ``nn.TransformerEncoderLayer`` holding DTensor parameters gets a
+    pre-hook that only observes (which turns that path off), an ``nn.TransformerEncoder`` of
+    such layers no nested tensors."""
+    for sub in module.modules():
+        if isinstance(sub, (nn.TransformerEncoderLayer, nn.TransformerEncoder)) \
+                and any(isinstance(p, DTensor) for p in sub.parameters()):
+            if isinstance(sub, nn.TransformerEncoder):
+                sub.use_nested_tensor = False
+            elif not has_pre_hook(sub, _observes):
+                sub.register_forward_pre_hook(_observes)
 
 
 def _reads_replica(rt: Runtime) -> bool:

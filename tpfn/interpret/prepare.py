@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from tpfn._torch import HookIdentity, heads_mesh, keep_mesh, meta_dtensor, parameters_of, per_rank
 from tpfn.algebra import contiguous_strides, cotangent, shard_ranges, unpackable
 from tpfn.errors import LayoutError
-from tpfn.interpret.moves import collective, failed, move, placements, unhooked
+from tpfn.bounded import collective
+from tpfn.interpret.moves import bound_of, failed, move, placements, unhooked
 from tpfn.interpret.state import Guess, Shapes
 from tpfn.interpret.terms import terms
 from tpfn.layout import Replicate, Shard, exact_in_torch, from_torch, to_torch
@@ -37,11 +38,13 @@ __all__ = ["shard_params", "placed_tensor", "local_value", "prepare_inputs", "pr
            "inputs", "outputs_of", "convert", "checked", "not_a_tensor", "per_head"]
 
 
-def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: int | None = 0) -> dict:
+def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: int | None = 0,
+                 timeout: float | None = None) -> dict:
     """``{name: nn.Parameter(DTensor)}`` for each parameter named in ``rule`` (a name -> layout
     map), ``{name: DTensor}`` for each buffer. Dotted names reach into submodules. ``src_rank``
     is the rank whose values every rank receives (``None``: each rank keeps its own values, no
-    communication). A parameter already a DTensor with that layout on ``mesh`` is returned as is.
+    communication), each transfer waiting ``timeout`` seconds at most (``tpfn.bounded``). A
+    parameter already a DTensor with that layout on ``mesh`` is returned as is.
 
     A layout DTensor has no placement for: unequal parts (``Shard(d, parts=(q, k, v))``) become a
     DTensor ``Shard(d)`` of the ranks' chunks of every part, rank after rank; heads replicated over more
@@ -64,7 +67,7 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, rule: dict, *, src_rank: i
         if param.is_meta and exact_in_torch(layout):  # no values to send: its DTensor at once
             dt, on = meta_dtensor(param, mesh, desired), mesh
         else:
-            with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh):
+            with collective(f"parallelize's transfer of parameter {name!r} from rank {src_rank}", mesh, timeout):
                 dt, on = (distribute_tensor(param, mesh, desired, src_data_rank=src_rank), mesh) \
                     if exact_in_torch(layout) else _beyond_dtensor(param, mesh, layout, src_rank, views)
         if is_param:
@@ -210,10 +213,12 @@ def convert(x, slot, mesh, *, local: bool, grad, what: str, shapes: Shapes, cach
     if slot.desired is not None:
         desired, current = placements(slot.desired, x.ndim), dt.placements
         if desired != current:  # a no-op redistribute would reduce partial gradients
+            bound = bound_of(cache, mesh)
             try:
-                dt = dt.redistribute(mesh, desired)
+                with bound.issuing():
+                    dt = dt.redistribute(mesh, desired)
             except RuntimeError as error:
-                raise failed(what, from_torch(current), from_torch(desired), error, mesh) from error
+                raise failed(what, from_torch(current), from_torch(desired), error, bound) from error
     if not local:
         return dt
     out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))
@@ -315,9 +320,13 @@ def inputs(args: tuple, kwargs: dict, spec: Style | Inputs, mesh: DeviceMesh, ct
         elif i < len(names) and names[i] in kwargs:
             kwargs[names[i]] = one(kwargs[names[i]], slot, grad, what, shape)
     for name, slot in spec.kwargs:
+        i = names.index(name) if name in names else len(args)
         if name in kwargs:
             kwargs[name] = one(kwargs[name], slot, cotangent(slot.out)[0],
                                f"keyword input {name!r} of {where}")
+        elif i < len(args) and (i >= len(spec.slots) or spec.slots[i].untouched):  # passed by position
+            args[i] = one(args[i], slot, cotangent(slot.out)[0], f"keyword input {name!r} of {where} "
+                          f"(passed as input {i})")
     return tuple(args), kwargs
 
 

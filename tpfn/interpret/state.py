@@ -50,9 +50,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, all_reduced, graph_task_id, local_tensor, parameter,
                          per_rank, queue_callback, rank_sizes, spec_of)
+from tpfn.bounded import all_reduce, collective
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
-from tpfn.interpret.moves import collective, unhooked
+from tpfn.interpret.moves import unhooked
 
 __all__ = ["State", "Shapes", "PartialGrads", "TENSOR_SHAPES", "Guess", "recall", "derived_shape"]
 
@@ -84,11 +85,12 @@ class Guess(tuple):
 
 
 def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
-           exact: bool = False) -> tuple:
+           exact: bool = False, timeout: float | None = None) -> tuple:
     """The global shape of ``local`` if a slot handed it on; else (a ``Guess``) the one
     ``table`` (a model's ``Shapes.table``) last saw for its local shape, else the even split.
     ``exact``, with ``what`` naming the slot: never a guess, on a mesh of several real ranks
-    the one their local shapes make, remembered for ``local`` (every rank asks alike)."""
+    the one their local shapes make (an exchange waiting ``timeout`` seconds at most),
+    remembered for ``local`` (every rank asks alike)."""
     n = mesh.size() if _sharded(placements) else 1
     if n == 1:  # whole on every rank
         return tuple(local.shape)
@@ -108,7 +110,7 @@ def recall(local, placements: tuple, mesh, table=None, what: str | None = None,
                 f"computed from one of local shape {found[0][0]} (global {found[1]}) but has "
                 f"local shape {key[0]}; hand it on as a DTensor (DTensor.from_local(x, mesh, "
                 "placements, shape=...)), or lay it out with prepare_out(...) where it is made.")
-        shape = agreed_shape(local, placements, mesh, what)
+        shape = agreed_shape(local, placements, mesh, what, timeout)
         if shape is not None:
             TENSOR_SHAPES[local] = (key, shape)
             return shape
@@ -137,10 +139,11 @@ def derived_shape(local) -> tuple | None:
 
 
 class Shapes:
-    """Global shapes by tensor, then by (local shape, torch placements, mesh size), the last 64."""
+    """Global shapes by tensor, then by (local shape, torch placements, mesh size), the last 64;
+    an exchange of local shapes waits ``timeout`` seconds at most."""
 
-    def __init__(self, size: int = 64):
-        self.size, self.table = size, collections.OrderedDict()
+    def __init__(self, size: int = 64, timeout: float | None = None):
+        self.size, self.table, self.timeout = size, collections.OrderedDict(), timeout
 
     def remember(self, local, placements: tuple, global_shape, mesh) -> None:
         if not _sharded(placements) or torch.compiler.is_compiling():
@@ -160,7 +163,7 @@ class Shapes:
 
     def recall(self, local, placements: tuple, mesh, what: str, exact: bool = False) -> tuple:
         """The global shape of ``local`` arriving at the slot ``what``: ``recall`` with this table."""
-        return recall(local, placements, mesh, self.table, what, exact)
+        return recall(local, placements, mesh, self.table, what, exact, self.timeout)
 
 
 @per_rank  # LocalTensorMode: each simulated rank its own coordinates
@@ -205,10 +208,11 @@ def _accumulating(param, grads) -> None:
 
 class PartialGrads:
     """One model's watched parameters: a backward that reaches one of its armed tensors sums
-    their partial gradients at its end (``_EndOfBackward``)."""
+    their partial gradients at its end (``_EndOfBackward``), waiting ``timeout`` seconds at most."""
 
-    def __init__(self):
+    def __init__(self, timeout: float | None = None):
         self.watched: list = []  # (lookup, fqn): lookup() is the parameter now, or None
+        self.timeout = timeout
 
     def watch(self, module, name: str, fqn: str | None = None) -> None:
         """Watch the parameter ``name`` (dotted) of ``module``, called ``fqn`` in the model,
@@ -299,25 +303,28 @@ class _EndOfBackward:
                 grad = param.grad
                 if _partial(grad) and id(param) not in seen:
                     seen.add(id(param))
-                    groups = tuple(map(id, grad.device_mesh.get_all_groups()))
+                    groups = tuple(map(id, param.device_mesh.get_all_groups()))
                     buckets.setdefault((groups, grad.placements, grad.dtype), []).append((param, fqn))
+        timeouts = [m.timeout for m in self.models if m.timeout is not None]
         for (_, placements, _), params in buckets.items():
-            _reduce(params, placements)
+            _reduce(params, placements, max(timeouts, default=None))
 
 
-def _reduce(params: list, placements: tuple) -> None:
+def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
     """Sum the partial gradients of ``params`` (``(parameter, fqn)``, one mesh, ``placements``
-    and dtype) in one all-reduce of one flat buffer per partial mesh dim."""
+    and dtype) in one all-reduce of one flat buffer per partial mesh dim, each waiting
+    ``timeout`` seconds at most, on the parameters' own mesh (a gradient an op made may name
+    another mesh over the same ranks: DTensor's caches ignore the process group)."""
     grads = [p.grad for p, _ in params]
-    mesh = grads[0].device_mesh
+    mesh = params[0][0].device_mesh
     flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])
     names = ", ".join(sorted(fqn for _, fqn in params))
     for dim, placement in enumerate(placements):
         if placement.is_partial() and mesh.size(dim) > 1:
             with collective(f"the all-reduce of the partial gradients of {names} at the "
-                            "end of the backward", mesh):
-                if type(flat) is torch.Tensor and flat.device.type != "meta":  # in place
-                    mesh.get_group(dim).allreduce(flat).wait()
+                            "end of the backward", mesh, timeout, dim) as bound:
+                if type(flat) is torch.Tensor and flat.device.type != "meta":
+                    flat = all_reduce(flat, "sum", bound)
                 else:  # a simulated rank's (LocalTensorMode) or a dry run's
                     flat = all_reduced(flat, "sum", (mesh, dim))
     replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
@@ -328,7 +335,9 @@ def _reduce(params: list, placements: tuple) -> None:
 
 
 class State:
-    """What one ``parallelize`` call's modules share: shape memory and partial gradients."""
+    """What one ``parallelize`` call's modules share: shape memory, partial gradients, and the
+    ``Bound`` their collectives wait with (``tpfn.bounded``; None: their group's)."""
 
-    def __init__(self):
-        self.shapes, self.partial_grads = Shapes(), PartialGrads()
+    def __init__(self, bound=None):
+        timeout = None if bound is None else bound.seconds
+        self.shapes, self.partial_grads, self.bound = Shapes(timeout=timeout), PartialGrads(timeout), bound

@@ -291,13 +291,25 @@ def plan(mapping: dict | Plan | None = None, *, kinds: dict | None = None) -> Pl
     return Plan(_merge(_flatten(mapping)), merged)
 
 
-def as_plan(value) -> Plan:
-    """A plan from a plan, a dict, or a single style (bound to the module itself)."""
+def as_plan(value, found: list | None = None) -> Plan:
+    """A plan from a plan, a dict, or a single style (bound to the module itself). A value that
+    is no style raises a ``TypeError``; with ``found``, it is one problem there and left out."""
     if isinstance(value, Plan):
         return value
     if isinstance(value, Style):
         return Plan((("", value),))
+    if found is not None and isinstance(value, dict):
+        bad: list = []
+        _flatten(value, found=bad)
+        found.extend(bad)
+        value = _styles(value) if bad else value
     return plan(value)
+
+
+def _styles(mapping: dict) -> dict:
+    """``mapping`` without the values that are no styles (nested dicts likewise)."""
+    return {key: _styles(value) if isinstance(value, dict) else value for key, value in mapping.items()
+            if isinstance(value, (dict, Plan, Style))}
 
 
 def _prefixed(rules, modules: dict, found: list) -> list:
@@ -319,10 +331,10 @@ def _prefixed(rules, modules: dict, found: list) -> list:
 
 def resolve(plan_like: Plan | dict | Style, module: nn.Module) -> tuple:
     """The ``Mount`` of every module a plan binds in ``module``, in module order (pure), or
-    one ``PlanError`` listing every problem."""
-    resolved = as_plan(plan_like)
-    modules = dict(module.named_modules())
+    one ``PlanError`` listing every problem (values that are no styles among them)."""
     found, bound = [], {}
+    resolved = as_plan(plan_like, found)
+    modules = dict(module.named_modules())
     for pattern, style in resolved.rules:
         hits = [fqn for fqn in modules if matches(pattern, fqn)]
         if not hits:

@@ -2,7 +2,9 @@
 problems (``tpfn.plans.mount.problems``): a model ``fully_shard`` already manages, modules whose
 style would never run or could not place them (a lazy module's uninitialized parameters,
 ``nn.MultiheadAttention``'s ``out_proj``, an ``nn.Linear`` subclass with LoRA adapters of its
-own), and gradient hooks that would see one rank's partial sums.
+own), a parameter the plan places that a module outside the plan computes with (a head tied to
+a sharded embedding), gradient hooks that would see one rank's partial sums, and column-wise
+projections of an attention whose heads the ranks cannot split into whole heads each.
 
 >>> import torch.nn as nn, tpfn
 >>> model = nn.Sequential(nn.LayerNorm(4))
@@ -17,17 +19,84 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from tpfn._fqn import describe, join
-from tpfn._torch import gradient_hooks, parameter
-from tpfn.layout import Partial
+from tpfn._fqn import describe, generalize, join
+from tpfn._torch import gradient_hooks, parameter, parameters_of
+from tpfn.layout import Partial, Shard
+from tpfn.plans.kinds import Conv1D
 
-__all__ = ["refusals"]
+__all__ = ["refusals", "local_colwise", "linear_width", "part_widths", "projected_heads"]
 
 
 def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
     """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
     every bound module in ``bound``, on ``n`` ranks (None: any), one line each."""
-    return _fully_sharded(modules) + _unrunnable(modules, bound) + _hooks_on_partial_sums(modules, bound, n)
+    return _fully_sharded(modules) + _unrunnable(modules, bound) + _tied_outside(modules, bound) \
+        + _hooks_on_partial_sums(modules, bound, n) + ([] if n is None else _split_heads(modules, bound, n))
+
+
+def local_colwise(mounts: dict, fqn: str):
+    """The colwise() core bound at ``fqn`` with local outputs, or None (``mounts``: FQN -> ``Mount``)."""
+    mount = mounts.get(fqn)
+    core = None if mount is None else mount.style.core
+    return core if getattr(core, "kind", None) == "colwise" and mount.outputs.local else None
+
+
+def linear_width(child: nn.Module):
+    """The output features of a linear layer (``nn.Linear``, transformers' ``Conv1D``), else None."""
+    return child.out_features if isinstance(child, nn.Linear) else child.nf if isinstance(child, Conv1D) else None
+
+
+def part_widths(child: nn.Module, core) -> tuple:
+    """The output features of each part a colwise() core packs in ``child``."""
+    return Shard(0, core.parts).sizes(linear_width(child))
+
+
+def projected_heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
+    """``{(heads, replicated): [child names]}`` of the colwise() projections of an attention
+    module (one with an int ``head_dim``): the heads each part projects, and whether
+    ``heads=`` replicates them over groups of ranks."""
+    head_dim = getattr(sub, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        return {}
+    out: dict = {}
+    for name, child in sub.named_children():
+        core = local_colwise(mounts, join(fqn, name))
+        if core is None or not linear_width(child):
+            continue
+        try:
+            sizes = part_widths(child, core)
+        except ValueError:  # parts that do not make the weight (parallelize names that)
+            continue
+        for width in dict.fromkeys(sizes):
+            if width % head_dim == 0:
+                out.setdefault((width // head_dim, core.heads is not None), []).append(name)
+    return out
+
+
+def _split_heads(modules: dict, bound, n: int) -> list:
+    """Column-wise projections of an attention whose heads (or KV heads) ``n`` ranks cannot
+    split into whole heads each: its view of their local shards by its head size would fail
+    with a bare shape error. Repeated blocks are said once, with their count."""
+    mounts, found = {m.fqn: m for m in bound}, {}
+    for fqn, sub in modules.items():
+        counts = projected_heads(sub, fqn, mounts)
+        most = max((h for h, _ in counts), default=0)  # the query heads, where fewer are KV heads
+        for (h, replicated), names in counts.items():
+            if replicated or h % n == 0:
+                continue
+            if h < n:
+                single = all(local_colwise(mounts, join(fqn, name)).parts == 1 for name in names)
+                fix = (f", or replicate the heads over groups of ranks with colwise(heads={h})"
+                       if n % h == 0 and single and h < most else "")
+                problem = (f"fewer heads than the {n} ranks, so colwise() cannot give each rank a whole head; "
+                           f"use at most {h} ranks for tensor parallelism{fix}")
+            else:
+                problem = (f"the {n} ranks do not divide them, so ranks would hold parts of heads; choose a "
+                           f"mesh size that divides {h}")
+            who, many = f"{', '.join(map(repr, names))} of {describe(sub, fqn)}", len(names) != 1
+            sentence = f"{who} project{'' if many else 's'} {h} heads of {sub.head_dim} features: {problem}."
+            found.setdefault(generalize(fqn) + str(h), [sentence, 0])[1] += 1
+    return [s if k == 1 else f"{s[:-1]} (and {k - 1} more like it)." for s, k in found.values()]
 
 
 def _fully_sharded(modules: dict) -> list:
@@ -67,6 +136,32 @@ def _unrunnable(modules: dict, bound) -> list:
                          f"{describe(parent, owner)}'s forward reads directly, never calling it, so "
                          f"{m.style!r} would never run; bind the MultiheadAttention {owner!r} itself "
                          "(colwise() shards its heads).")
+    return found
+
+
+def _tied_outside(modules: dict, bound) -> list:
+    """Parameters the plan places that a module outside every bound one also holds (a head tied
+    to a sharded embedding): it would compute on plain inputs with the parameter's shard."""
+    placed = {}  # id(parameter) -> (its name, where the plan places it, how)
+    for m in bound:
+        for name, placement in m.params:
+            owner, _, leaf = join(m.fqn, name).rpartition(".")
+            param = parameters_of(modules[owner]).get(leaf) if owner in modules else None
+            if param is not None:
+                placed.setdefault(id(param), (join(m.fqn, name), placement, m))
+    inside = [m.fqn for m in bound]
+    found = []
+    for fqn, sub in modules.items():
+        if any(fqn == f or not f or fqn.startswith(f + ".") for f in inside):
+            continue  # a bound module's style governs what it and its submodules compute with
+        for leaf, param in parameters_of(sub).items():
+            held = placed.get(id(param)) if param is not None else None
+            if held is not None and held[0] != join(fqn, leaf):
+                name, placement, m = held
+                found.append(f"parameter {join(fqn, leaf)!r} is tied to {name!r}, which {m.style!r} at "
+                             f"{m.where} places {placement!r}, but {describe(sub, fqn)} is outside the plan and "
+                             "would compute with that shard; bind it with a style that places the parameter "
+                             "alike (colwise() for a head tied to a rowwise() embedding), or untie them.")
     return found
 
 

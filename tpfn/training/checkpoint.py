@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tpfn._torch import StridedShard
 from tpfn.algebra import contiguous_strides
+from tpfn.bounded import barrier, collective
 from tpfn.interpret.layouts import full_value, layouts
-from tpfn.interpret.moves import collective
 from tpfn.interpret.prepare import local_value, placed_tensor
 from tpfn.layout import Shard as _Shard
 
@@ -48,17 +48,17 @@ __all__ = ["save", "load", "full_state_dict"]
 
 
 def _ranks(what: str):
-    """Inside, a collective that fails raises a ``CollectiveError`` naming ``what`` (one
-    process alone: nothing to name)."""
-    return collective(what, None) if dist.is_available() and dist.is_initialized() \
-        else contextlib.nullcontext()
+    """Inside, the default group's collectives wait its timeout, at most 10 minutes, and one that
+    fails raises a ``CollectiveError`` naming ``what`` (``tpfn.bounded``; one process alone:
+    nothing to wait for)."""
+    return collective(what) if dist.is_available() and dist.is_initialized() else contextlib.nullcontext()
 
 
 def _barrier(what: str) -> None:
     """Wait for every rank (a ``CollectiveError`` naming ``what`` when a peer has failed)."""
     if dist.is_available() and dist.is_initialized():
-        with collective(what, None):
-            dist.barrier()
+        with collective(what) as bound:
+            barrier(bound)
 
 
 def _rank() -> int:

@@ -14,10 +14,10 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tpfn.interpret.moves import collective
+from tpfn._torch import keep_mesh
+from tpfn.bounded import all_reduce, collective
 
 __all__ = ["clip_grad_norm_"]
 
@@ -25,8 +25,8 @@ __all__ = ["clip_grad_norm_"]
 def _reduce(value: torch.Tensor, mesh, dims, op) -> torch.Tensor:
     for dim in dims:  # one mesh dim at a time: sums and maxima are associative
         with collective(f"clip_grad_norm_'s all-reduce of the gradients' norm over mesh dim {dim}",
-                        mesh):
-            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+                        mesh, dim=dim) as bound:
+            value = all_reduce(value, op, bound)
     return value
 
 
@@ -52,7 +52,7 @@ def _norm(grads: list, norm_type: float) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for (mesh, dims), part in groups.items():
         if mesh is not None:
-            part = _reduce(part, mesh, dims, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+            part = _reduce(part, mesh, dims, "max" if inf else "sum")
         total = combine(total, part.cpu())
     return total if inf else total ** (1 / norm_type)
 
@@ -76,7 +76,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
                          "the sum of |g| ** p over shards is a p-norm for p > 0 only: use 2.0, 1.0 or inf.")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad for p in parameters if p.grad is not None]
+    # each gradient on its parameter's own mesh (one an op made may name another mesh over the
+    # same ranks: DTensor's caches ignore the process group)
+    grads = [keep_mesh(p.grad, p.device_mesh) if isinstance(p.grad, DTensor) and isinstance(p, DTensor)
+             else p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
     total = _norm(grads, norm_type).float()

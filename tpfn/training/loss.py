@@ -26,10 +26,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import all_reduced, assert_async
+from tpfn._torch import assert_async
 from tpfn.algebra import chunk_bounds
+from tpfn.bounded import all_reduce, collective
 from tpfn.layout import Shard, from_torch, normalize
-from tpfn.interpret.moves import collective
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.state import Guess, recall
 
@@ -37,8 +37,8 @@ __all__ = ["cross_entropy"]
 
 
 def _reduce(t: torch.Tensor, op: str, mesh, what: str) -> torch.Tensor:
-    with collective(f"cross_entropy's all-reduce of {what}", mesh):
-        return all_reduced(t, op, (mesh, 0))
+    with collective(f"cross_entropy's all-reduce of {what}", mesh) as bound:
+        return all_reduce(t, op, bound)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from tpfn._torch import buffers_of, in_a_graph, local_tensor, parameters_of, persistent, swap_in_place
 from tpfn.algebra import contiguous_strides, shard_ranges
+from tpfn.bounded import barrier, collective
 from tpfn.errors import CheckpointError
 from tpfn.interpret.layouts import full_value, layouts
 from tpfn.layout import Partial, from_torch
@@ -216,7 +217,8 @@ def _refuse(problems: list, mesh) -> None:
     (alone: of one's own)."""
     if mesh is not None and mesh.size() > 1 and dist.is_initialized():
         gathered = [None] * mesh.size()
-        dist.all_gather_object(gathered, problems, group=mesh.get_group())
+        with collective("the exchange of the ranks' checks of the checkpoint", mesh):
+            dist.all_gather_object(gathered, problems, group=mesh.get_group())
         problems = []
         for rank_problems in gathered:
             problems += [p for p in rank_problems if p not in problems]
@@ -393,8 +395,8 @@ def _unfillable(target) -> str | None:
         return "is weakly referenced, so it cannot be filled in place; load before anything " \
                "keeps a weak reference to it."
     if in_a_graph(t):
-        return "is referenced by an autograd graph, so it cannot be filled in place; load " \
-               "before running forward."
+        return "is referenced by an autograd graph (a forward's outputs are alive), so it cannot be " \
+               "filled in place; run its backward if it is to run, drop its outputs (del loss), then load."
     return None
 
 
@@ -680,7 +682,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
         log.info("save_pretrained: %d tensors (%s) in %d files to %s in %.2f s",
                  len(entries), readable(bar.done), n, path, bar.seconds)
     if distributed:
-        dist.barrier()
+        with collective(f"the barrier after writing {path!r}") as bound:
+            barrier(bound)
 
 
 # -- the one call ---------------------------------------------------------------------------
