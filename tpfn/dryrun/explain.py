@@ -50,10 +50,10 @@ from tpfn.plans.mount import local_sizes
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
 
-__all__ = ["explain", "ExampleInput"]
+__all__ = ["explain", "ExampleInput", "meta_copy"]
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept)."""
     memo: dict = {}
     for fqn, sub in module.named_modules():
@@ -269,7 +269,7 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
 
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
-    model, mesh = _meta_copy(module), new_fake_mesh(n)
+    model, mesh = meta_copy(module), new_fake_mesh(n)
     try:
         return _report(model, mesh, plan, n, shown, args, kwargs, values, options)
     finally:

@@ -212,7 +212,7 @@ def _merge_notes(a: tuple, b: tuple) -> tuple:
 def _comment(text: str, indent: str = "    ") -> str:
     """``text`` as comment lines, each at most ``NOTE_WIDTH`` wide."""
     return "".join(f"{indent}# {line}\n" for para in text.splitlines()
-                   for line in textwrap.wrap(para, NOTE_WIDTH - len(indent) - 2) or [""])
+                   for line in textwrap.wrap(para, NOTE_WIDTH - len(indent) - 2, break_on_hyphens=False) or [""])
 
 
 @attrs.frozen(repr=False)

@@ -1,0 +1,133 @@
+"""The plan on fake ranks, op by op against the traced forward: does each rank compute its share?
+
+``check(model, plan, n, args, kwargs, flow)`` parallelizes a meta copy of ``model`` over ``n``
+fake ranks and runs one forward seen from rank 0. Every op on sharded features must be the
+op the traced forward ran there, giving each output its local share: the whole of every dim
+the plan does not shard, ``1/n`` of each sharded space (one head of a space with fewer heads
+than ranks). An attention that views its local features by a global head count (``view(b,
+-1, self.num_heads, d)``) fails here, though no shape error need follow: it would be wrong
+silently. Returns ``{fqn: why}``: for a group that does not compute its share, one of the
+modules making its features; for a forward that fails, the innermost module the plan binds
+around the failure.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tpfn._fqn import generalize
+from tpfn._torch import TorchDispatchMode
+from tpfn.dryrun.explain import meta_copy
+from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.dryrun.lints import failing_module
+from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.suggest.factors import local_size, spaces as held_spaces
+from tpfn.suggest.rules import tensors
+from tpfn.suggest.trace import kind_of
+
+__all__ = ["check"]
+
+
+class _Replay(TorchDispatchMode):
+    def __init__(self, flow, n: int):
+        super().__init__()
+        self.flow, self.n = flow, n
+        self.held: dict = {}
+        self.ops = iter(flow.ops)
+        self.calls: dict = {}
+        for call in flow.calls:
+            self.calls.setdefault(call.fqn, []).append(call)
+        self.stack: list = []
+        self.inside = 0
+        self.failed: dict = {}   # fqn -> why
+        self.lost = False
+
+    def dims(self, t):
+        found = self.held.get(id(t))
+        return found[1] if found is not None and found[0] is t else None
+
+    def expected(self, dims) -> tuple:
+        return tuple(local_size(d, self.n, self.flow.spaces.units) for d in dims)
+
+    def fail(self, dims_list, why: str) -> None:
+        spaces = self.flow.spaces
+        for dims in dims_list:
+            for s in held_spaces(dims):
+                self.failed.setdefault(spaces.spaces[spaces.find(s)].producer, why)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside or self.lost:
+            return out
+        ins = [d for d in map(self.dims, tensors(args) + tensors(list(kwargs.values()))) if d]
+        if not ins:
+            return out
+        where = self.stack[-1] if self.stack else ""
+        seen = next(self.ops, None)
+        if seen is None or seen.op != str(func) or seen.where != where:
+            self.fail(ins, f"on a rank's shard {where or '<root>'!r} runs {func} where the whole "
+                      f"model runs {seen.op if seen else 'nothing'}: its code takes another path")
+            self.lost = True
+            return out
+        for t, (shape, dims) in zip(tensors(out), seen.outputs):
+            want = self.expected(dims)
+            if tuple(t.shape) != want and held_spaces(dims) | set().union(*map(held_spaces, ins)):
+                self.fail(ins + [dims], f"on a rank's shard {generalize(where) or '<root>'!r} computes "
+                          f"{func} of shape {tuple(t.shape)} where its share of {shape} is {want}")
+            self.held[id(t)] = (t, dims)
+        return out
+
+    def pre(self, fqn: str, module: nn.Module):
+        self.stack.append(fqn)
+        if kind_of(module) is not None:
+            self.inside += 1
+
+    def post(self, fqn: str, module: nn.Module, args, kwargs, out):
+        self.stack.pop()
+        if kind_of(module) is None:
+            return
+        self.inside -= 1
+        if self.inside or not isinstance(out, torch.Tensor) or not self.calls.get(fqn):
+            return
+        call = self.calls[fqn].pop(0)
+        x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        dims = self.dims(x) if isinstance(x, torch.Tensor) else None
+        if call.role == "exit" and dims is not None and tuple(x.shape) != self.expected(dims):
+            self.fail([dims], f"{generalize(fqn)!r} is handed {tuple(x.shape)} where its share "
+                      f"of {call.in_shape} is {self.expected(dims)}")
+        if call.role == "entry":
+            want = self.expected(call.out_dims)
+            if tuple(out.shape) != want:
+                self.fail([call.out_dims], f"{generalize(fqn)!r} makes {tuple(out.shape)} where its "
+                          f"share of {call.out_shape} is {want}")
+            self.held[id(out)] = (out, call.out_dims)
+
+
+def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> dict:
+    """``{fqn: why}`` for the modules of ``plan`` over ``n`` ranks whose ranks would not
+    compute their share of ``flow`` (empty: every one does)."""
+    copy, mesh = meta_copy(model), new_fake_mesh(n)
+    replay = _Replay(flow, n)
+    try:
+        parallelize(copy, mesh, plan, src_rank=None)
+        bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
+        for fqn, module in copy.named_modules():
+            module.register_forward_pre_hook(lambda m, a, fqn=fqn: replay.pre(fqn, m))
+            module.register_forward_hook(lambda m, a, k, o, fqn=fqn: replay.post(fqn, m, a, k, o),
+                                         with_kwargs=True, always_call=True)
+        try:
+            with replay, torch.no_grad():
+                copy(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a rank's forward that fails: the module it fails in
+            failed = failing_module(e, copy) or ""
+            around = [f for f in bound if f == failed or failed.startswith(f + ".") or not f]
+            inside = [f for f in bound if f.startswith(failed + ".") or not failed]
+            why = f"on a rank's shard {generalize(failed) or '<root>'!r} fails: {type(e).__name__}: " \
+                  f"{(str(e).splitlines() or [''])[0]}"
+            for fqn in [max(around, key=len)] if around else inside:
+                replay.failed.setdefault(fqn, why)
+    finally:
+        release(mesh)
+    return replay.failed

@@ -1,0 +1,165 @@
+"""``suggest``: a tensor-parallel plan for any module, from its structure and one dry run.
+
+1. Follow one forward on meta tensors (``follow``): the output features of each linear or
+   embedding that reads a replicated input form a space; ops carry, join or break spaces;
+   a linear contracting a space ends it.
+2. Shard the groups of spaces nothing broke, that end in a row-wise linear, and that the
+   mesh splits into whole heads (``decide``); the makers of the others compute whole, and
+   the trace runs again until no group breaks.
+3. Choose for each remaining linear and embedding (vocabulary-parallel embeddings, the head)
+   the option of least cost (``standalone``).
+4. Run the plan on fake ranks against the trace, op by op (``check``): a group whose ranks
+   would not compute their share (a view by a global head count) computes whole.
+5. Dry-run the plan forward and backward (``tpfn.explain``) and return it, its notes saying why.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from tpfn.dryrun.explain import explain, meta_copy
+from tpfn.dryrun.units import fmt_bytes
+from tpfn.errors import PlanError
+from tpfn.plans.mount import try_mount
+from tpfn.layout import Shard
+from tpfn.plans.plan import Plan
+from tpfn.style.constructors import rowwise
+from tpfn.suggest.check import check
+from tpfn.suggest.choose import standalone
+from tpfn.suggest.emit import assemble, general, maker
+from tpfn.suggest.groups import Refused, decide
+from tpfn.suggest.inputs import defaults, example
+from tpfn.suggest.trace import follow
+
+__all__ = ["suggest", "sharded_share"]
+
+_REACHES_OUTPUT = "they reach the model's output"
+
+
+def _world_size(world_size) -> int:
+    if world_size is None:
+        return dist.get_world_size() if dist.is_initialized() else 2
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TypeError(f"'world_size' must be a positive int (got {world_size!r} that is a "
+                        f"{type(world_size)!r}).")
+    return world_size
+
+
+def suggest(model: nn.Module, world_size: int | None = None, example_inputs: object = None, *,
+            loss_parallel: bool = False) -> Plan:
+    """A tensor-parallel plan for ``model`` over ``world_size`` ranks, printed as the code
+    that builds it, each rule with a comment that says why.
+
+    - ``world_size``: the ranks (default: the default group's size, else 2).
+    - ``example_inputs``: as ``tpfn.explain`` takes them; a transformers model defaults to one
+      sequence of token ids. Sizes matter where suggest weighs bytes moved per step against
+      bytes held per rank (``tpfn.suggest.cost``).
+    - ``loss_parallel``: leave the logits of a head that makes the model's output sharded,
+      for ``tpfn.cross_entropy`` (default: gathered, usable as they are).
+
+    What it cannot shard safely stays whole, with the reason in the plan's comments; the
+    plan is dry-run on fake ranks, forward and backward, before it is returned.
+
+    >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    >>> print(tpfn.suggest(mlp, 2, example_inputs=torch.randn(8, 16)))  # doctest: +NORMALIZE_WHITESPACE
+    plan({
+        # tpfn.suggest over 2 ranks: 1 group sharded, 99% of the parameter bytes; per step 1
+        # all_reduce, 512 B per rank
+        # over 2 ranks: 0 (64 features) column-wise; 2 row-wise, one all-reduce
+        '0': colwise(),
+        '2': rowwise(),
+    })
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
+    n = _world_size(world_size)
+    given = defaults(model) if example_inputs is None else example_inputs
+    args, kwargs = example(model, given)
+    meta = meta_copy(model)
+    excluded: dict = {}   # maker -> why its group computes whole
+    pairs: dict = {}      # the makers of a pair left whole -> Refused
+    whole: dict = {}      # lone module -> why it computes whole
+    outputs: set = set()  # makers whose features are the model's output
+    while True:
+        flow = follow(meta, args, kwargs, excluded)
+        groups, refused = decide(flow, n)
+        refused = refused or _unmountable(meta, groups)
+        if refused:
+            for r in refused:
+                if r.why == _REACHES_OUTPUT:
+                    outputs.update(r.makers)
+                excluded.update({f: r.why for f in r.makers if f not in excluded})
+                if r.exits:
+                    pairs.setdefault(r.makers, r)
+            continue
+        used = {f for g in groups for f in (*g.entries, *g.exits)}
+        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
+        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "")
+        failed = check(meta, plan, n, args, kwargs, flow)
+        if not failed:
+            try:
+                report = explain(model, plan, world_size=n, example_inputs=given)
+                break
+            except PlanError as e:
+                failed = _dry_run_failure(e, n)
+        _blame(failed, groups, excluded, pairs, whole)
+    sharded, total = sharded_share(report)
+    header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
+              f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
+              f"{_counts(report.collectives)}, {fmt_bytes(report.bytes)} per rank")
+    return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header))
+
+
+def _dry_run_failure(e: PlanError, n: int) -> dict:
+    """``{fqn: why}`` of the module a dry run failed in (a PlanError naming none is raised)."""
+    found = re.search(r"failed in '([^']*)'", e.problems[0])
+    if found is None:
+        raise PlanError([f"suggest's plan fails its dry run on {n} fake ranks: {e.problems[0]}",
+                         *e.problems[1:]]) from e
+    return {found.group(1): f"the dry run fails there: {e.problems[0]}"}
+
+
+def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict) -> None:
+    """Make the groups (or lone modules) of the failed modules compute whole."""
+    for fqn, why in failed.items():
+        mine = [g for g in groups if fqn in g.modules]
+        for group in mine:
+            excluded.update({f: why for f in group.entries if f not in excluded})
+            pairs.setdefault(tuple(sorted(group.entries)), Refused(tuple(sorted(group.entries)),
+                                                                   group.exits, why))
+        if not mine:
+            whole.setdefault(fqn, why)
+
+
+def _unmountable(model: nn.Module, groups: list) -> list:
+    """The groups with a module whose row refuses its style, as ``Refused``."""
+    modules = dict(model.named_modules())
+    found = []
+    for group in groups:
+        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
+        problems = [p for fqn, style in styles.items()
+                    for p in (lambda m: m if isinstance(m, list) else [])(
+                        try_mount(style, modules[fqn], fqn, (), ()))]
+        if problems:
+            found.append(Refused(tuple(group.entries), group.exits, problems[0]))
+    return found
+
+
+def _counts(collectives: dict) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in collectives.items()) or "no collective"
+
+
+def sharded_share(report) -> tuple:
+    """(bytes of the sharded parameters, bytes of all parameters) of a report, globally."""
+    sharded = total = 0
+    for row in report.rows:
+        for p in row.params:
+            if p.tied is None:
+                b = math.prod(p.shape) * p.itemsize
+                total += b
+                sharded += b if isinstance(p.placement, Shard) else 0
+    return sharded, total

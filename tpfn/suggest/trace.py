@@ -1,0 +1,226 @@
+"""One traced forward on meta tensors: where each linear's output features go.
+
+``follow(model, args, kwargs)`` runs ``model`` (a meta copy: no memory, no values) under a
+dispatch mode that follows every ATen op (``tpfn.suggest.rules``) and module hooks that see
+each linear and embedding as one step (their inner ops are theirs). A linear or embedding
+computing from a replicated input makes a space of its output features; a linear whose
+input's last dim is a space contracts it (an exit). Everything else an op does with a space
+either carries it, joins it with another, or breaks it with the reason. ``excluded`` names
+producers whose outputs are replicated (their spaces broke before, or were not chosen).
+
+>>> import torch.nn as nn
+>>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+>>> flow = follow(mlp.to("meta"), (torch.empty(2, 8, device="meta"),), {})
+>>> [(c.fqn, c.role) for c in flow.calls]
+[('0', 'entry'), ('2', 'exit')]
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import torch
+import torch.nn as nn
+
+from tpfn._torch import TorchDispatchMode
+from tpfn.plans.kinds import TABLE
+from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
+from tpfn.suggest.rules import carry, tensors
+from tpfn.suggest.spaces import Spaces
+
+__all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
+
+
+def kind_of(module: nn.Module) -> str | None:
+    """``"embedding"``, ``"linear"`` (a module whose ``colwise()`` row shards its output
+    features, nn.Linear and kinds like it), or None: a module the trace looks into."""
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    for kind, _ in TABLE["colwise"]:
+        if kind not in (nn.Embedding, nn.MultiheadAttention) and isinstance(module, kind):
+            return "linear"
+    return None
+
+
+@attrs.define
+class Call:
+    """One call of a linear or embedding: ``role`` is ``"entry"`` (it makes ``space``),
+    ``"exit"`` (it contracts ``space``) or ``"whole"`` (replicated in, replicated out)."""
+
+    fqn: str
+    kind: str
+    role: str
+    space: int | None
+    input: int
+    in_shape: tuple
+    out_shape: tuple
+    itemsize: int
+    out_dims: tuple = ()
+
+
+@attrs.define
+class Logged:
+    """An op on sharded features, as the global run saw it: the op, the module it ran in,
+    and each output's shape and dims."""
+
+    op: str
+    where: str
+    outputs: tuple
+
+
+@attrs.define
+class Flow:
+    spaces: Spaces
+    calls: list
+    ops: list
+    inputs: dict    # module fqn -> [id of its first input, per call]
+    output: list    # the model's output tensors (shape, itemsize)
+
+
+def _first_input(module: nn.Module, args: tuple, kwargs: dict):
+    if args:
+        return args[0]
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters))
+    except (StopIteration, TypeError, ValueError):
+        return None
+    return kwargs.get(first)
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, model: nn.Module, excluded):
+        super().__init__()
+        self.spaces = Spaces()
+        self.excluded = set(excluded)
+        self.held: dict = {}     # id -> (tensor, dims)
+        self.params = {id(p): name for name, p in model.named_parameters()}
+        self.stack: list = []
+        self.inside = 0          # depth inside a linear or embedding
+        self.calls: list = []
+        self.ops: list = []
+        self.inputs: dict = {}
+        self.pending: list = []
+
+    # -- what the rules ask ------------------------------------------------------------
+    def dims(self, t: torch.Tensor) -> tuple:
+        found = self.held.get(id(t))
+        if found is None or found[0] is not t:
+            return plain(t.shape)
+        return tuple(tuple((f, None if isinstance(s, int) and self.spaces.broken(s) else s) for f, s in d)
+                     for d in found[1])
+
+    def param(self, t: torch.Tensor):
+        return self.params.get(id(t))
+
+    def set(self, t: torch.Tensor, dims: tuple) -> None:
+        if held_spaces(dims):
+            self.held[id(t)] = (t, dims)
+        else:
+            self.held.pop(id(t), None)
+
+    @property
+    def where(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside:
+            return out
+        ins = tensors(args) + tensors(list(kwargs.values()))
+        touched = any(held_spaces(self.dims(t)) for t in ins)
+        try:
+            found, derived = carry(func, args, kwargs, out, self, self.spaces)
+        except Broken as e:
+            self.spaces.fail(e.spaces, f"{e.why} in {self.where or '<root>'!r}")
+            found, derived = [(o, plain(o.shape)) for o in tensors(out)], []
+        for t, dims in found:
+            self.set(t, dims)
+        for t, name in derived:
+            self.params[id(t)] = name
+            self.pending.append(t)  # keep it alive while its id names a parameter
+        if touched:
+            self.ops.append(Logged(str(func), self.where, tuple(
+                (tuple(t.shape), self.dims(t)) for t in tensors(out))))
+        return out
+
+    # -- modules -------------------------------------------------------------------------
+    def pre(self, fqn: str, module: nn.Module, args, kwargs):
+        first = _first_input(module, args, kwargs)
+        if not self.inside:
+            self.inputs.setdefault(fqn, []).append(id(first) if isinstance(first, torch.Tensor) else None)
+        self.stack.append(fqn)
+        if kind_of(module) is not None:
+            self.inside += 1
+
+    def post(self, fqn: str, module: nn.Module, args, kwargs, out):
+        self.stack.pop()
+        kind = kind_of(module)
+        if kind is None:
+            return
+        self.inside -= 1
+        if self.inside or not isinstance(out, torch.Tensor):
+            return
+        x = _first_input(module, args, kwargs)
+        if not isinstance(x, torch.Tensor):
+            return
+        self._call(fqn, kind, x, out)
+
+    def _call(self, fqn: str, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        dims = self.dims(x)
+        held = held_spaces(dims)
+        role, space = "whole", None
+        if held:
+            last = form(dims[-1]) if kind == "linear" else None
+            bad = (last is None or last[0] != 1 or held_spaces(dims[:-1])
+                   or any(t == REPEAT for _, t in dims[-1]))
+            if bad:
+                what = ("ids" if kind == "embedding" else "input's other dims" if last else
+                        "input in a layout it cannot contract")
+                self.spaces.fail(held, f"{fqn!r} takes sharded features as its {what}")
+            else:
+                role, space = "exit", last[2]
+                self.spaces.exits.setdefault(space, set()).add(fqn)
+        elif fqn not in self.excluded:
+            role, space = "entry", self.spaces.new(fqn, out.shape[-1])
+        out_dims = tag(plain(out.shape), out.dim() - 1, space) if role == "entry" else plain(out.shape)
+        self.set(out, out_dims)
+        self.calls.append(Call(fqn, kind, role, space, id(x), tuple(x.shape), tuple(out.shape),
+                               out.element_size(), out_dims))
+
+
+def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
+    """The ``Flow`` of one forward of ``model`` (a meta copy it may hook) on ``args`` and
+    ``kwargs``; the producers in ``excluded`` make no spaces."""
+    tracer = _Tracer(model, excluded)
+    handles = []
+    for fqn, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(
+            lambda m, a, k, fqn=fqn: tracer.pre(fqn, m, a, k), with_kwargs=True))
+        handles.append(module.register_forward_hook(
+            lambda m, a, k, o, fqn=fqn: tracer.post(fqn, m, a, k, o), with_kwargs=True, always_call=True))
+    try:
+        with tracer, torch.no_grad():
+            out = model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    results = _outputs(out)
+    for t in results:
+        held = held_spaces(tracer.dims(t))
+        if held:
+            tracer.spaces.fail(held, "they reach the model's output")
+    return Flow(tracer.spaces, tracer.calls, tracer.ops, tracer.inputs,
+                [(tuple(t.shape), t.element_size()) for t in results])
+
+
+def _outputs(out) -> list:
+    """The tensors of a model's output (tensors, tuples, lists, dicts and their subclasses)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _outputs(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _outputs(v)]
+    return []
