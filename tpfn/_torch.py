@@ -343,6 +343,12 @@ def node_type(function: type) -> type:
 # --- ops and functional collectives --------------------------------------------------------
 
 
+def grouped_mm_op():
+    """ATen's grouped matrix product (transformers' fused experts), or None in a torch without it."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    return getattr(packet, "default", None)
+
+
 def functional_overload(op):
     """The out-of-place overload of an in-place ATen op (``add_.Tensor`` -> ``add.Tensor``), or None."""
     name = op.overloadpacket.__name__
@@ -423,7 +429,7 @@ def fake_ranks(mesh) -> bool:
 
 
 __all__ += [
-    "node_type", "argument_names", "functional_overload", "all_reduced", "parameters_of",
+    "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
 
 

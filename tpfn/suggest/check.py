@@ -1,14 +1,17 @@
-"""The plan on fake ranks, op by op against the traced forward: does each rank compute its share?
+"""The plan on fake ranks, forward and backward: does each rank compute its share?
 
-``check(model, plan, n, args, kwargs, flow)`` parallelizes a meta copy of ``model`` over ``n``
-fake ranks and runs one forward seen from rank 0. Every op on sharded features must be the
-op the traced forward ran there, giving each output its local share: the whole of every dim
-the plan does not shard, ``1/n`` of each sharded space (one head of a space with fewer heads
-than ranks). An attention that views its local features by a global head count (``view(b,
--1, self.num_heads, d)``) fails here, though no shape error need follow: it would be wrong
-silently. Returns ``{fqn: why}``: for a group that does not compute its share, one of the
-modules making its features; for a forward that fails, the innermost module the plan binds
-around the failure.
+``check(model, plan, n, args, kwargs, flow)`` parallelizes a ``hybrid_copy`` of ``model`` over
+``n`` fake ranks and runs one forward and backward seen from rank 0, recording the
+collectives (``tpfn.record``). In the forward, every op on sharded features must be the op
+the traced forward (``flow``) ran there, giving each output its local share: the whole of
+every dim the plan does not shard, ``1/n`` of each sharded space (one head of a space with
+fewer heads than ranks). An attention that views its local features by a global head count
+(``view(b, -1, self.num_heads, d)``) fails here, though no shape error need follow: it
+would be wrong silently.
+
+Returns ``(failed, comms)``: ``failed`` maps a module to why, for a group that does not
+compute its share one of the modules making its features, for a run that fails the
+innermost module the plan binds around the failure; ``comms``, the collectives of the step.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import torch.nn as nn
 
 from tpfn._fqn import generalize
 from tpfn._torch import TorchDispatchMode
-from tpfn.dryrun.explain import meta_copy
+from tpfn.dryrun.collectives import record
+from tpfn.dryrun.explain import floats
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.lints import failing_module
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.suggest.factors import local_size, spaces as held_spaces
+from tpfn.suggest.hybrid import Hybrid, hybrid_copy
 from tpfn.suggest.rules import tensors
 from tpfn.suggest.trace import kind_of
 
@@ -30,6 +35,8 @@ __all__ = ["check"]
 
 
 class _Replay(TorchDispatchMode):
+    """The forward on rank 0, op by op against the traced one."""
+
     def __init__(self, flow, n: int):
         super().__init__()
         self.flow, self.n = flow, n
@@ -40,8 +47,8 @@ class _Replay(TorchDispatchMode):
             self.calls.setdefault(call.fqn, []).append(call)
         self.stack: list = []
         self.inside = 0
-        self.failed: dict = {}   # fqn -> why
-        self.lost = False
+        self.failed: dict = {}
+        self.done = False
 
     def dims(self, t):
         found = self.held.get(id(t))
@@ -59,7 +66,7 @@ class _Replay(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.inside or self.lost:
+        if self.inside or self.done:
             return out
         ins = [d for d in map(self.dims, tensors(args) + tensors(list(kwargs.values()))) if d]
         if not ins:
@@ -67,13 +74,13 @@ class _Replay(TorchDispatchMode):
         where = self.stack[-1] if self.stack else ""
         seen = next(self.ops, None)
         if seen is None or seen.op != str(func) or seen.where != where:
-            self.fail(ins, f"on a rank's shard {where or '<root>'!r} runs {func} where the whole "
-                      f"model runs {seen.op if seen else 'nothing'}: its code takes another path")
-            self.lost = True
+            self.fail(ins, f"on a rank's shard {generalize(where) or '<root>'!r} runs {func} where the "
+                      f"whole model runs {seen.op if seen else 'nothing'}: its code takes another path")
+            self.done = True
             return out
         for t, (shape, dims) in zip(tensors(out), seen.outputs):
             want = self.expected(dims)
-            if tuple(t.shape) != want and held_spaces(dims) | set().union(*map(held_spaces, ins)):
+            if tuple(t.shape) != want:
                 self.fail(ins + [dims], f"on a rank's shard {generalize(where) or '<root>'!r} computes "
                           f"{func} of shape {tuple(t.shape)} where its share of {shape} is {want}")
             self.held[id(t)] = (t, dims)
@@ -89,7 +96,7 @@ class _Replay(TorchDispatchMode):
         if kind_of(module) is None:
             return
         self.inside -= 1
-        if self.inside or not isinstance(out, torch.Tensor) or not self.calls.get(fqn):
+        if self.inside or self.done or not isinstance(out, torch.Tensor) or not self.calls.get(fqn):
             return
         call = self.calls[fqn].pop(0)
         x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
@@ -105,11 +112,12 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
-def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> dict:
-    """``{fqn: why}`` for the modules of ``plan`` over ``n`` ranks whose ranks would not
-    compute their share of ``flow`` (empty: every one does)."""
-    copy, mesh = meta_copy(model), new_fake_mesh(n)
+def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tuple:
+    """``({fqn: why}, comms)`` of ``plan`` over ``n`` fake ranks against ``flow`` (see the
+    module docstring); ``failed`` is empty where every rank computes its share."""
+    copy, mesh = hybrid_copy(model), new_fake_mesh(n)
     replay = _Replay(flow, n)
+    comms: list = []
     try:
         parallelize(copy, mesh, plan, src_rank=None)
         bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
@@ -118,16 +126,21 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> di
             module.register_forward_hook(lambda m, a, k, o, fqn=fqn: replay.post(fqn, m, a, k, o),
                                          with_kwargs=True, always_call=True)
         try:
-            with replay, torch.no_grad():
-                copy(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a rank's forward that fails: the module it fails in
+            with record(copy) as comms, Hybrid(), replay:
+                out = copy(*args, **kwargs)
+                replay.done = True
+                grads = [t.sum() for t in floats(out)]
+                if grads:
+                    torch.autograd.backward(grads)
+        except Exception as e:  # noqa: BLE001 - a run that fails: the module it fails in
             failed = failing_module(e, copy) or ""
             around = [f for f in bound if f == failed or failed.startswith(f + ".") or not f]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
-            why = f"on a rank's shard {generalize(failed) or '<root>'!r} fails: {type(e).__name__}: " \
-                  f"{(str(e).splitlines() or [''])[0]}"
-            for fqn in [max(around, key=len)] if around else inside:
+            phase = "backward" if replay.done else "forward"
+            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
+                   f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            for fqn in [max(around, key=len)] if around else inside or [failed]:
                 replay.failed.setdefault(fqn, why)
     finally:
         release(mesh)
-    return replay.failed
+    return replay.failed, list(comms)

@@ -138,10 +138,12 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
         return [Choice(f, None, "left whole: modules of one kind share its weight") for f in fqns]
     m, held, pick = best
     if cost(0, whole) <= cost(m, held):
-        tie = f" with {', '.join(map(repr, fqns[1:]))}, which shares its weight," if len(fqns) > 1 else ""
-        why = (f"left whole: sharding it{tie} would move {fmt_bytes(m)} per step to save "
-               f"{fmt_bytes(whole - held)} per rank")
-        return [Choice(f, None, why) for f in fqns]
+        def why(f):
+            others = ", ".join(repr(g) for g in fqns if g != f)
+            tie = f" with {others}, which shares its weight," if others else ""
+            return (f"left whole: sharding it{tie} would move {fmt_bytes(m)} per step to save "
+                    f"{fmt_bytes(whole - held)} per rank")
+        return [Choice(f, None, why(f)) for f in fqns]
     out = []
     for f, module in zip(fqns, modules):
         style = pick[f].style

@@ -97,11 +97,15 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
         notes[choice.fqn] = choice.note
     for pair in refused:
         members = (*pair.makers, *pair.exits)
+        if len(members) == 1:
+            notes[members[0]] = f"left whole: {brief(pair.why)}"
+            continue
         parent = _common(members)
         names = ", ".join(_short(f, parent) for f in members)
         notes[parent] = f"left whole, {names}: {brief(pair.why)}"
         for f in members:
-            notes.pop(f, None) if notes.get(f, "").startswith("left whole") else None
+            if notes.get(f, "").startswith("left whole"):
+                del notes[f]
     fqns = [f for f, _ in model.named_modules()]
     rules = spell(styles, fqns)
     kept = {}

@@ -9,8 +9,9 @@ the group's other spaces split evenly. Anything else stays replicated, with the 
 
 >>> import torch, torch.nn as nn
 >>> from tpfn.suggest.trace import follow
->>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).to("meta")
->>> chosen, refused = decide(follow(mlp, (torch.empty(2, 8, device="meta"),), {}), 2)
+>>> from tpfn.suggest.hybrid import hybrid_copy
+>>> mlp = hybrid_copy(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)))
+>>> chosen, refused = decide(follow(mlp, (torch.ones(2, 8),), {}), 2)
 >>> chosen[0].entries, chosen[0].exits, refused
 ({'0': Entry(kind='linear', parts=(), heads=None, width=32)}, ('2',), [])
 """
@@ -62,6 +63,7 @@ class Refused:
     makers: tuple
     exits: tuple
     why: str
+    kinds: tuple = ()
 
 
 def decide(flow, n: int) -> tuple:
@@ -79,7 +81,7 @@ def decide(flow, n: int) -> tuple:
         exits = sorted({e for s in members for e in spaces.exits.get(s, ())})
         why = spaces.broken(root) or _problem(spaces, members, exits, roles, n)
         if why:
-            refused.append(Refused(tuple(producers), tuple(exits), why))
+            refused.append(Refused(tuple(producers), tuple(exits), why, tuple(kinds[p] for p in producers)))
             continue
         entries, heads = {}, {}
         for s in whole:

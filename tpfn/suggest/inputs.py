@@ -1,15 +1,15 @@
 """The example inputs of a suggestion: the caller's, or token ids for a transformers model.
 
 A transformers model (one with a ``config`` and a ``main_input_name`` of ``input_ids``) runs
-on one sequence of ``min(2048, its positions)`` token ids, with ``decoder_input_ids`` as well
-for an encoder-decoder, and ``use_cache=True`` where it takes one (a model set up for
-training reads its position ids' values, which meta tensors do not have). Any other module
-needs ``example_inputs``. Inputs are given to ``explain`` as they are, and made meta tensors
-for the trace.
+on one sequence of token ids, half its positions long and at most ``TOKENS``, with
+``decoder_input_ids`` as well for an encoder-decoder. Any other module needs
+``example_inputs``, as ``tpfn.explain`` takes them: tensors, shapes (token ids, below the
+smallest embedding's vocabulary), a tuple of them or a dict. The dry runs take them real,
+on the CPU (``tpfn.suggest.hybrid``), and a shape as seeded random ids.
 
->>> import torch.nn as nn
->>> example(nn.Linear(4, 8), (2, 4))[0]
-(tensor(..., device='meta', size=(2, 4), dtype=torch.int64),)
+>>> args, kwargs = example(nn.Embedding(10, 4), (2, 3))
+>>> args[0].shape, args[0].dtype, bool((args[0] < 10).all())
+(torch.Size([2, 3]), torch.int64, True)
 """
 
 from __future__ import annotations
@@ -20,20 +20,22 @@ import torch
 import torch.nn as nn
 
 from tpfn.dryrun.explain import ExampleInput, split_inputs
+from tpfn.suggest.hybrid import real
 
 __all__ = ["example", "defaults", "TOKENS"]
 
 TOKENS = 2048  # the longest default sequence
+_LENGTHS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+            "max_seq_len", "n_ctx")
 
 
 def defaults(model: nn.Module):
-    """The example inputs of a transformers model (a dict of shapes and flags), or None."""
+    """The example inputs of a transformers model (a dict of shapes), or None."""
     config = getattr(model, "config", None)
     if config is None or getattr(model, "main_input_name", None) != "input_ids":
         return None
-    positions = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions",
-                                                     "max_sequence_length", "seq_length")]
-    length = min([TOKENS] + [p for p in positions if isinstance(p, int) and p > 0])
+    limits = [getattr(config, k, None) for k in _LENGTHS]
+    length = min([TOKENS] + [p // 2 for p in limits if isinstance(p, int) and p > 1])
     found = {"input_ids": (1, length)}
     try:
         names = inspect.signature(model.forward).parameters
@@ -41,29 +43,27 @@ def defaults(model: nn.Module):
         names = {}
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in names:
         found["decoder_input_ids"] = (1, length)
-    if "use_cache" in names:
-        found["use_cache"] = True
     return found
 
 
-def _meta(x):
-    if isinstance(x, ExampleInput):
-        return x.meta({})
-    if isinstance(x, torch.Tensor):
-        return torch.empty_like(x, device="meta")
-    if isinstance(x, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in x):
-        return torch.empty(tuple(x), dtype=torch.long, device="meta")
-    return x
-
-
 def example(model: nn.Module, example_inputs) -> tuple:
-    """``(args, kwargs)`` of meta tensors from ``example_inputs`` (see ``explain``), or the
-    defaults of a transformers model."""
+    """``(args, kwargs)`` of the dry runs from ``example_inputs`` (None: a transformers
+    model's defaults)."""
     if example_inputs is None:
         example_inputs = defaults(model)
         if example_inputs is None:
             raise TypeError(
-                f"suggest runs one forward of {type(model).__name__} on meta tensors to see where its "
-                "features go: give example_inputs= as explain takes them, e.g. (8, 128) for token "
-                "ids, {'x': torch.empty(8, 128, 512)} for a keyword input.")
-    return split_inputs(example_inputs, _meta)
+                f"suggest runs one forward of {type(model).__name__} to see where its features go: "
+                "give example_inputs= as tpfn.explain takes them, e.g. (8, 128) for token ids, or "
+                "{'x': torch.randn(8, 128, 512)} for a keyword input.")
+    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
+    gen = torch.Generator().manual_seed(0)
+
+    def make(x):
+        if isinstance(x, ExampleInput):
+            x = torch.empty(x.meta({}).shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+        if isinstance(x, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in x):
+            return torch.randint(0, vocab, tuple(x), generator=gen)
+        return real(x)
+
+    return split_inputs(example_inputs, make)

@@ -92,9 +92,8 @@ def _line_up(operands: list, out_size: int, spaces, what: str):
     for d, param in operands:
         f = form(d)
         if f is None:
-            whose = f"the parameter {param}" if param else "a replicated tensor"
-            raise Broken(held_spaces(tuple(h for h, _ in held)),
-                         f"{what}: {whose} of the features' full size meets them")
+            whose = f"the parameter {param}, as wide as them" if param else "a replicated tensor as wide as them"
+            raise Broken(held_spaces(tuple(h for h, _ in held)), f"{what} of the sharded features with {whose}")
         if f[0] != ref[0] or f[1] * f[3] != ref[1] * ref[3]:
             raise Broken(held_spaces(tuple(h for h, _ in held)),
                          f"{what}: two sharded dims meet that do not line up")

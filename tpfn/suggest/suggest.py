@@ -9,30 +9,31 @@
 3. Choose for each remaining linear and embedding (vocabulary-parallel embeddings, the head)
    the option of least cost (``standalone``).
 4. Run the plan on fake ranks against the trace, op by op (``check``): a group whose ranks
-   would not compute their share (a view by a global head count) computes whole.
-5. Dry-run the plan forward and backward (``tpfn.explain``) and return it, its notes saying why.
+   would not compute their share (a view by a global head count) computes whole, and so does
+   a module whose run fails.
+   That run is the dry run, forward and backward, with the collectives it issues; the plan is
+   returned with notes that say why.
 """
 
 from __future__ import annotations
 
-import math
-import re
+import collections
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from tpfn.dryrun.explain import explain, meta_copy
+from tpfn._fqn import join
 from tpfn.dryrun.units import fmt_bytes
-from tpfn.errors import PlanError
 from tpfn.plans.mount import try_mount
 from tpfn.layout import Shard
-from tpfn.plans.plan import Plan
+from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
 from tpfn.suggest.check import check
 from tpfn.suggest.choose import standalone
 from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.groups import Refused, decide
-from tpfn.suggest.inputs import defaults, example
+from tpfn.suggest.hybrid import hybrid_copy
+from tpfn.suggest.inputs import example
 from tpfn.suggest.trace import follow
 
 __all__ = ["suggest", "sharded_share"]
@@ -77,9 +78,8 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     if not isinstance(model, nn.Module):
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
     n = _world_size(world_size)
-    given = defaults(model) if example_inputs is None else example_inputs
-    args, kwargs = example(model, given)
-    meta = meta_copy(model)
+    args, kwargs = example(model, example_inputs)
+    meta = hybrid_copy(model)
     excluded: dict = {}   # maker -> why its group computes whole
     pairs: dict = {}      # the makers of a pair left whole -> Refused
     whole: dict = {}      # lone module -> why it computes whole
@@ -93,34 +93,25 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
                 if r.why == _REACHES_OUTPUT:
                     outputs.update(r.makers)
                 excluded.update({f: r.why for f in r.makers if f not in excluded})
-                if r.exits:
+                if r.exits or r.why != _REACHES_OUTPUT and any(k == "linear" for k in r.kinds):
                     pairs.setdefault(r.makers, r)
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)}
         choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "")
-        failed = check(meta, plan, n, args, kwargs, flow)
+        failed, comms = check(meta, plan, n, args, kwargs, flow)
         if not failed:
-            try:
-                report = explain(model, plan, world_size=n, example_inputs=given)
-                break
-            except PlanError as e:
-                failed = _dry_run_failure(e, n)
+            break
+        before = (len(excluded), len(whole))
         _blame(failed, groups, excluded, pairs, whole)
-    sharded, total = sharded_share(report)
+        if (len(excluded), len(whole)) == before:
+            raise RuntimeError(f"suggest's dry run of {type(model).__name__} on {n} fake ranks fails where "
+                               f"nothing is sharded: {next(iter(failed.values()))}")
+    sharded, total = sharded_share(meta, plan)
     header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
-              f"{_counts(report.collectives)}, {fmt_bytes(report.bytes)} per rank")
+              f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
     return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header))
-
-
-def _dry_run_failure(e: PlanError, n: int) -> dict:
-    """``{fqn: why}`` of the module a dry run failed in (a PlanError naming none is raised)."""
-    found = re.search(r"failed in '([^']*)'", e.problems[0])
-    if found is None:
-        raise PlanError([f"suggest's plan fails its dry run on {n} fake ranks: {e.problems[0]}",
-                         *e.problems[1:]]) from e
-    return {found.group(1): f"the dry run fails there: {e.problems[0]}"}
 
 
 def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict) -> None:
@@ -149,17 +140,17 @@ def _unmountable(model: nn.Module, groups: list) -> list:
     return found
 
 
-def _counts(collectives: dict) -> str:
-    return ", ".join(f"{n} {kind}" for kind, n in collectives.items()) or "no collective"
+def _counts(comms: list) -> str:
+    found = collections.Counter(c.kind for c in comms)
+    return ", ".join(f"{k} {kind}" for kind, k in found.items()) or "no collective"
 
 
-def sharded_share(report) -> tuple:
-    """(bytes of the sharded parameters, bytes of all parameters) of a report, globally."""
+def sharded_share(model: nn.Module, plan) -> tuple:
+    """(bytes of the parameters ``plan`` shards, bytes of all parameters) of ``model``."""
+    placed = {join(m.fqn, name): p for m in resolve(plan, model) for name, p in m.params}
     sharded = total = 0
-    for row in report.rows:
-        for p in row.params:
-            if p.tied is None:
-                b = math.prod(p.shape) * p.itemsize
-                total += b
-                sharded += b if isinstance(p.placement, Shard) else 0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        total += b
+        sharded += b if isinstance(placed.get(name), Shard) else 0
     return sharded, total

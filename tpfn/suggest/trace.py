@@ -1,6 +1,6 @@
 """One traced forward on meta tensors: where each linear's output features go.
 
-``follow(model, args, kwargs)`` runs ``model`` (a meta copy: no memory, no values) under a
+``follow(model, args, kwargs)`` runs ``model`` (a ``hybrid_copy``: parameters on meta) under a
 dispatch mode that follows every ATen op (``tpfn.suggest.rules``) and module hooks that see
 each linear and embedding as one step (their inner ops are theirs). A linear or embedding
 computing from a replicated input makes a space of its output features; a linear whose
@@ -10,7 +10,7 @@ producers whose outputs are replicated (their spaces broke before, or were not c
 
 >>> import torch.nn as nn
 >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
->>> flow = follow(mlp.to("meta"), (torch.empty(2, 8, device="meta"),), {})
+>>> flow = follow(hybrid_copy(mlp), (torch.ones(2, 8),), {})
 >>> [(c.fqn, c.role) for c in flow.calls]
 [('0', 'entry'), ('2', 'exit')]
 """
@@ -24,7 +24,9 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode
+from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
+from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
 from tpfn.suggest.rules import carry, tensors
 from tpfn.suggest.spaces import Spaces
@@ -191,7 +193,7 @@ class _Tracer(TorchDispatchMode):
 
 
 def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
-    """The ``Flow`` of one forward of ``model`` (a meta copy it may hook) on ``args`` and
+    """The ``Flow`` of one forward of ``model`` (a ``hybrid_copy`` it may hook) on ``args`` and
     ``kwargs``; the producers in ``excluded`` make no spaces."""
     tracer = _Tracer(model, excluded)
     handles = []
@@ -201,8 +203,16 @@ def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
         handles.append(module.register_forward_hook(
             lambda m, a, k, o, fqn=fqn: tracer.post(fqn, m, a, k, o), with_kwargs=True, always_call=True))
     try:
-        with tracer, torch.no_grad():
+        with Hybrid(), tracer:
             out = model(*args, **kwargs)
+    except Exception as e:
+        where = failing_module(e, model)
+        raise RuntimeError(
+            f"suggest runs one forward of {type(model).__name__} with its parameters on the meta "
+            f"device, and it fails in {where or '<root>'!r}: {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0]} (a forward that reads its weights' values, "
+            "such as routing that loops over the experts it hits, cannot run without them; "
+            "give example_inputs= it runs on, or write the plan by hand)") from e
     finally:
         for h in handles:
             h.remove()

@@ -1,0 +1,105 @@
+"""Dry runs that keep the values they can: parameters on meta, inputs and buffers real.
+
+A model's forward often reads values that never depend on its weights: whether a padding
+mask is all ones, whether a pad token ends the ids, where packed sequences start. On meta
+tensors such a read fails. ``hybrid_copy(module)`` copies a module with every parameter on
+meta (no memory, ties kept) and its buffers and tensor attributes real, on the CPU; under
+``Hybrid()`` an op that meets a meta tensor runs on meta (its real arguments moved there), and
+one on real tensors alone computes for real. So the ids, masks and positions a forward
+derives from its inputs keep their values, and everything the weights touch is a shape.
+Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
+
+``Hybrid`` also runs ``_grouped_mm`` (transformers' fused experts) on meta in any float dtype:
+its meta kernel checks the dtype a GPU kernel would need.
+
+>>> lin = hybrid_copy(nn.Linear(4, 8))
+>>> lin.weight.is_meta
+True
+>>> with Hybrid():
+...     y = lin(torch.ones(2, 4))
+>>> y.shape, y.is_meta
+(torch.Size([2, 8]), True)
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, parameters_of
+
+__all__ = ["Hybrid", "hybrid_copy", "real"]
+
+_GROUPED_MM = grouped_mm_op()
+
+
+def hybrid_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters are meta tensors (ties kept) and whose buffers and tensor
+    attributes are CPU copies (meta ones stay meta)."""
+    memo: dict = {}
+    for _, sub in module.named_modules():
+        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
+                                           vars(sub).items()):
+            if not isinstance(value, torch.Tensor) or id(value) in memo:
+                continue
+            if isinstance(value, DTensor):
+                raise ValueError(f"{name!r} is already a DTensor: suggest takes the module as it is "
+                                 "before parallelize.")
+            if isinstance(value, nn.Parameter):
+                memo[id(value)] = nn.Parameter(torch.empty_like(value, device="meta"), value.requires_grad)
+            else:
+                memo[id(value)] = value.detach().to("cpu", copy=True)
+    return copy.deepcopy(module, memo)
+
+
+def real(x):
+    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad:
+        return torch.empty_like(x, device="meta").requires_grad_()
+    return x.detach().to("cpu", copy=True)
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x if x.is_meta else x.to("meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_meta(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+class Hybrid(TorchDispatchMode):
+    """Ops that meet a meta tensor run on meta; the others compute (see the module docstring)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        found = _tensors(args) + _tensors(kwargs)
+        if not found and str(kwargs.get("device")) == "meta":  # arange(..., device=x.device)
+            out = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return out.zero_() if func.overloadpacket.__name__.startswith("empty") else out
+        if any(t.is_meta for t in found) and not all(t.is_meta for t in found):
+            args, kwargs = _to_meta(args), _to_meta(kwargs)
+        if func is _GROUPED_MM and found and found[0].is_meta \
+                and found[0].dtype != torch.bfloat16:
+            dtype = found[0].dtype
+            low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                   for a in args]
+            return func(*low, **kwargs).to(dtype)
+        return func(*args, **kwargs)
