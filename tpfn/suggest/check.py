@@ -16,6 +16,8 @@ innermost module the plan binds around the failure; ``comms``, the collectives o
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 
@@ -25,10 +27,11 @@ from tpfn.dryrun.collectives import record
 from tpfn.dryrun.explain import floats
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.lints import failing_module
+from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.suggest.factors import local_size, spaces as held_spaces
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy
-from tpfn.suggest.rules import tensors
+from tpfn.suggest.rules import step, tensors
 from tpfn.suggest.trace import kind_of
 
 __all__ = ["check"]
@@ -72,8 +75,12 @@ class _Replay(TorchDispatchMode):
         if not ins:
             return out
         where = self.stack[-1] if self.stack else ""
+        if step(func) is None:  # a copy for its layout: the dims of its input
+            for t in tensors(out):
+                self.held[id(t)] = (t, ins[0])
+            return out
         seen = next(self.ops, None)
-        if seen is None or seen.op != str(func) or seen.where != where:
+        if seen is None or seen.op != step(func) or seen.where != where:
             self.fail(ins, f"on a rank's shard {generalize(where) or '<root>'!r} runs {func} where the "
                       f"whole model runs {seen.op if seen else 'nothing'}: its code takes another path")
             self.done = True
@@ -119,16 +126,23 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
     replay = _Replay(flow, n)
     comms: list = []
     try:
-        parallelize(copy, mesh, plan, src_rank=None)
+        try:
+            parallelize(copy, mesh, plan, src_rank=None)
+        except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
+            named = {m.group(1): p for p in e.problems for m in [re.match(r"'([^']*)' \(", p)] if m}
+            if not named:
+                raise
+            return named, []
         bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
         for fqn, module in copy.named_modules():
             module.register_forward_pre_hook(lambda m, a, fqn=fqn: replay.pre(fqn, m))
             module.register_forward_hook(lambda m, a, k, o, fqn=fqn: replay.post(fqn, m, a, k, o),
                                          with_kwargs=True, always_call=True)
         try:
-            with record(copy) as comms, Hybrid(), replay:
+            hybrid = Hybrid()
+            with record(copy) as comms, hybrid, replay:
                 out = copy(*args, **kwargs)
-                replay.done = True
+                replay.done, hybrid.values = True, False
                 grads = [t.sum() for t in floats(out)]
                 if grads:
                     torch.autograd.backward(grads)

@@ -18,6 +18,7 @@ import attrs
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
+from tpfn.plans.mount import try_mount
 from tpfn.style.constructors import colwise, params, prepare_in, prepare_out, rowwise
 from tpfn.style.style import Style
 from tpfn.suggest.cost import cost, moved
@@ -118,9 +119,16 @@ def _options(fqns: list, kinds: dict, loss_parallel: bool, outputs: set) -> list
     if len(fqns) == 1:
         f = fqns[0]
         return [{f: o} for o in (linear(f) if kinds[f] == "linear" else _OPTIONS["embedding"])]
-    if sorted(kinds.values()) == ["embedding", "linear"]:  # a tied head: one Shard(0) weight
-        return [{f: _OPTIONS["embedding"][0] if kinds[f] == "embedding" else linear(f)[0] for f in fqns}]
-    return []
+    # embeddings and heads sharing one weight: vocabulary-parallel and column-wise, one Shard(0)
+    return [{f: _OPTIONS["embedding"][0] if kinds[f] == "embedding" else linear(f)[0] for f in fqns}]
+
+
+def _style(option, module):
+    """The option's style on ``module`` (an embedding whose forward computes on DTensors takes
+    its vocabulary-parallel output as it comes)."""
+    if option is _OPTIONS["embedding"][0] and not meaning(rowwise().core, module, "", ()).local:
+        return _OWN_FORWARD
+    return option.style
 
 
 def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs: set) -> list:
@@ -130,12 +138,15 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     whole = _held(modules, [None] * len(fqns), n)[0]
     best = None
     for pick in _options(fqns, kinds, loss_parallel, outputs):
+        if any(isinstance(try_mount(_style(pick[f], module), module, f, (), ()), list)
+               for f, module in zip(fqns, modules)):
+            continue  # a row refuses it (an embedding whose own submodules compute)
         m = sum(_moves(calls[f], pick[f], n) for f in fqns)
         held = _held(modules, [pick[f] for f in fqns], n)[1]
         if best is None or cost(m, held) < cost(best[0], best[1]):
             best = (m, held, pick)
     if best is None:
-        return [Choice(f, None, "left whole: modules of one kind share its weight") for f in fqns]
+        return [Choice(f, None, "left whole: no way to shard it alone mounts") for f in fqns]
     m, held, pick = best
     if cost(0, whole) <= cost(m, held):
         def why(f):
@@ -146,9 +157,7 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
         return [Choice(f, None, why(f)) for f in fqns]
     out = []
     for f, module in zip(fqns, modules):
-        style = pick[f].style
-        if pick[f] is _OPTIONS["embedding"][0] and not meaning(rowwise().core, module, "", ()).local:
-            style = _OWN_FORWARD
+        style = _style(pick[f], module)
         tie = f" (its weight tied to {', '.join(repr(g) for g in fqns if g != f)})" if len(fqns) > 1 else ""
         out.append(Choice(f, style, f"{pick[f].name}{tie}: moves {fmt_bytes(m)} per step, holds "
                                     f"{fmt_bytes(held)} per rank of {fmt_bytes(whole)}"))

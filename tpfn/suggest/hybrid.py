@@ -49,8 +49,10 @@ def hybrid_copy(module: nn.Module) -> nn.Module:
             if isinstance(value, DTensor):
                 raise ValueError(f"{name!r} is already a DTensor: suggest takes the module as it is "
                                  "before parallelize.")
-            if isinstance(value, nn.Parameter):
-                memo[id(value)] = nn.Parameter(torch.empty_like(value, device="meta"), value.requires_grad)
+            if isinstance(value, nn.Parameter) or value.is_meta:
+                meta = torch.empty_like(value, device="meta")
+                memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
+                    value, nn.Parameter) else meta
             else:
                 memo[id(value)] = value.detach().to("cpu", copy=True)
     return copy.deepcopy(module, memo)
@@ -85,15 +87,30 @@ def _to_meta(x):
     return x
 
 
+# Ops whose values do not depend on their tensor argument's: made real where it is meta.
+_SHAPED = {"zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full",
+           "new_empty", "new_empty_strided"}
+
+
 class Hybrid(TorchDispatchMode):
-    """Ops that meet a meta tensor run on meta; the others compute (see the module docstring)."""
+    """Ops that meet a meta tensor run on meta; the others compute (see the module docstring).
+    ``values``: make new tensors real (True in a forward; the backward's own are meta)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
         found = _tensors(args) + _tensors(kwargs)
-        if not found and str(kwargs.get("device")) == "meta":  # arange(..., device=x.device)
+        meta = self.values and str(kwargs.get("device")) == "meta" or self.values and (
+            name in _SHAPED and "device" not in kwargs and found and found[0].is_meta)
+        if meta and (not found or name in _SHAPED):  # arange(n, device=x.device), x.new_ones(...)
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
-            return out.zero_() if func.overloadpacket.__name__.startswith("empty") else out
+            return out.zero_() if "empty" in name else out
+        if name == "_to_copy" and found and (found[0].is_meta or meta):  # .to(device): stays as it is
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
         if any(t.is_meta for t in found) and not all(t.is_meta for t in found):
             args, kwargs = _to_meta(args), _to_meta(kwargs)
         if func is _GROUPED_MM and found and found[0].is_meta \

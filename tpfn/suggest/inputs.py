@@ -34,7 +34,8 @@ def defaults(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None or getattr(model, "main_input_name", None) != "input_ids":
         return None
-    limits = [getattr(config, k, None) for k in _LENGTHS]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limits = [getattr(c, k, None) for c in (config, text) for k in _LENGTHS]
     length = min([TOKENS] + [p // 2 for p in limits if isinstance(p, int) and p > 1])
     found = {"input_ids": (1, length)}
     try:

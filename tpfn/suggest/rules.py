@@ -31,7 +31,7 @@ from tpfn.suggest.factors import (
     REPEAT, Broken, expand, form, permute, plain, size, spaces as held_spaces, view,
 )
 
-__all__ = ["carry", "tensors"]
+__all__ = ["carry", "tensors", "step"]
 
 # Ops whose one output is a view or copy of their first input with another shape.
 _RESHAPES = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "flatten",
@@ -44,6 +44,20 @@ _SOFTMAX = {"_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax
             "sort", "argsort", "topk", "cummax", "cummin"}
 _NORMS = {"native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"}
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+
+
+# Ops that only lay a tensor out anew (a reshape copies where a view cannot): the same step.
+_LAYOUT = {"clone", "contiguous", "alias", "detach", "lift_fresh"}
+_VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
+
+
+def step(func) -> str | None:
+    """The op as two runs of one model must agree on it (None: a copy that only lays a tensor
+    out anew, which a run takes or not by its strides)."""
+    name = func.overloadpacket.__name__
+    if name in _LAYOUT:
+        return None
+    return "view" if name in _VIEWS else str(func)
 
 
 def tensors(x) -> list:

@@ -28,7 +28,7 @@ from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
-from tpfn.suggest.rules import carry, tensors
+from tpfn.suggest.rules import carry, step, tensors
 from tpfn.suggest.spaces import Spaces
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
@@ -142,8 +142,8 @@ class _Tracer(TorchDispatchMode):
         for t, name in derived:
             self.params[id(t)] = name
             self.pending.append(t)  # keep it alive while its id names a parameter
-        if touched:
-            self.ops.append(Logged(str(func), self.where, tuple(
+        if touched and step(func) is not None:
+            self.ops.append(Logged(step(func), self.where, tuple(
                 (tuple(t.shape), self.dims(t)) for t in tensors(out))))
         return out
 
