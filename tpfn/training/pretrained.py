@@ -687,7 +687,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
 
 # -- the one call ---------------------------------------------------------------------------
 
-def _build(config, model_class, dtype):
+def build(config, model_class: type | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The transformers model of ``config``: ``model_class``'s (default: the causal LM, else the
+    base model), in ``dtype`` (default: the config's)."""
     import transformers
 
     kwargs = {} if dtype is None else {"dtype": dtype}
@@ -763,7 +765,7 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
                                 "it first, e.g. with huggingface_hub.snapshot_download.")
     config = AutoConfig.from_pretrained(path)
     with empty_weights():
-        model = _build(config, model_class, dtype)
+        model = build(config, model_class, dtype)
     model.eval()
     if isinstance(plan, str) and plan != "auto":
         raise ValueError(f"plan={plan!r}: give 'auto' (the model's own plan, else tpfn.suggest's), a "
