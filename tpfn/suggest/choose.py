@@ -24,7 +24,7 @@ from tpfn.style.style import Style
 from tpfn.suggest.cost import cost, moved
 from tpfn.suggest.emit import brief
 
-__all__ = ["Choice", "standalone"]
+__all__ = ["Choice", "standalone", "sequence_parallel"]
 
 
 @attrs.frozen
@@ -162,3 +162,22 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
         out.append(Choice(f, style, f"{pick[f].name}{tie}: moves {fmt_bytes(m)} per step, holds "
                                     f"{fmt_bytes(held)} per rank of {fmt_bytes(whole)}"))
     return out
+
+
+def sequence_parallel(groups: list, flow, n: int) -> str | None:
+    """Whether to run what lies between the pairs (norms, residual sums, dropout) on a shard of
+    the sequence: each row-wise exit's all-reduce then becomes a reduce-scatter, and the next
+    pair gathers the sequence back. The same bytes in twice the collectives under the ring
+    model, so it is used only where it moves fewer; the note says so, with the numbers."""
+    exits = {f for g in groups for f in g.exits}
+    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3]
+    if not calls:
+        return None
+    plain = moved([(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls], n)
+    split = moved([step for c in calls for step in ((Partial(), Shard(1), c.out_shape, c.itemsize),
+                                                    (Shard(1), Replicate(), c.out_shape, c.itemsize))], n)
+    if split < plain:  # never under the ring model; a cost model of the links may say otherwise
+        return None
+    return (f"sequence parallelism not used: it would move {fmt_bytes(split)} per step in "
+            f"{2 * len(calls)} collectives where the row-wise exits' {len(calls)} all-reduces move "
+            f"{fmt_bytes(plain)}")

@@ -29,7 +29,7 @@ from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
 from tpfn.suggest.check import check
-from tpfn.suggest.choose import standalone
+from tpfn.suggest.choose import sequence_parallel, standalone
 from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.hybrid import hybrid_copy
@@ -111,6 +111,8 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
+    sequence = sequence_parallel(groups, flow, n)
+    header += f"\n{sequence}" if sequence else ""
     return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header))
 
 
