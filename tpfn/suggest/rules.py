@@ -6,7 +6,9 @@ reduction, softmax or norm over them, a matmul that contracts them, an index int
 replicated tensor (or parameter) of their full size meeting them, or an op no rule here
 knows (nothing is guessed). Elementwise ops, views, transposes, copies, batched matmuls
 and attention carry them; where two spaces meet on one dim they are joined, and a
-replicated parameter that meets a sharded tensor by broadcasting gets a partial gradient.
+replicated parameter that meets a sharded tensor by broadcasting gets a partial gradient. A
+tensor that holds one value everywhere (zeros made with a head count) may meet sharded
+features: whether each rank makes it its share is what the ranks' check sees.
 
 >>> import torch
 >>> from tpfn.suggest.factors import tag
@@ -17,6 +19,7 @@ replicated parameter that meets a sharded tensor by broadcasting gets a partial 
 >>> class Held:
 ...     def dims(self, t): return tag(plain(t.shape), 2, q) if t is x else plain(t.shape)
 ...     def param(self, t): return None
+...     def uniform(self, t): return False
 >>> y = x.view(2, 16, 4, 8)
 >>> carry(torch.ops.aten.view.default, (x, [2, 16, 4, 8]), {}, y, Held(), spaces)[0][0][1]
 (((2, None),), ((16, None),), ((4, 0),), ((8, None),))
@@ -31,7 +34,20 @@ from tpfn.suggest.factors import (
     REPEAT, Broken, expand, form, permute, plain, size, spaces as held_spaces, view,
 )
 
-__all__ = ["carry", "tensors", "step"]
+__all__ = ["carry", "tensors", "step", "UNIFORM", "filled"]
+
+UNIFORM = "<uniform>"  # an operand that holds one value everywhere (zeros, a fill)
+# Ops whose output holds one value everywhere, whatever their input holds.
+_FILLS = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+          "new_full", "scalar_tensor", "fill", "zero"}
+
+
+def filled(func, inputs_uniform: bool) -> bool:
+    """Whether ``func``'s output holds one value everywhere: a fill, or a view or copy of one."""
+    name = func.overloadpacket.__name__
+    base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
+    return base in _FILLS or inputs_uniform and base in _RESHAPES | _SAME | {
+        "expand", "permute", "transpose", "t", "select", "slice"}
 
 # Ops whose one output is a view or copy of their first input with another shape.
 _RESHAPES = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "flatten",
@@ -105,6 +121,8 @@ def _line_up(operands: list, out_size: int, spaces, what: str):
     ref = form(held[0][0])
     for d, param in operands:
         f = form(d)
+        if f is None and param == UNIFORM:  # zeros of a global head count: the ranks' check sees
+            continue
         if f is None:
             whose = f"the parameter {param}, as wide as them" if param else "a replicated tensor as wide as them"
             raise Broken(held_spaces(tuple(h for h, _ in held)), f"{what} of the sharded features with {whose}")
@@ -135,7 +153,7 @@ def _partial(items: list, outs: list, spaces) -> None:
     covers its shard only)."""
     found = held_spaces(tuple(d for _, dims in outs for d in dims))
     for _, _, param in items:
-        if param and found:
+        if param and param != UNIFORM and found:
             root = spaces.find(next(iter(found)))
             spaces.partial.setdefault(root, set()).add(param)
 
@@ -155,7 +173,7 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
     ins = tensors(args) + tensors(list(kwargs.values()))
     outs = tensors(out)
-    items = [(held.dims(t), tuple(t.shape), held.param(t)) for t in ins]
+    items = [(held.dims(t), tuple(t.shape), UNIFORM if held.uniform(t) else held.param(t)) for t in ins]
     what = f"{base}"
     if not any(held_spaces(d) for d, _, _ in items):
         derived = []

@@ -28,7 +28,7 @@ from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
-from tpfn.suggest.rules import carry, step, tensors
+from tpfn.suggest.rules import carry, filled, step, tensors
 from tpfn.suggest.spaces import Spaces
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
@@ -103,7 +103,7 @@ class _Tracer(TorchDispatchMode):
         self.ops: list = []
         self.inputs: dict = {}
         self.pending: list = []
-
+        self.uniforms: dict = {}  # id -> a tensor holding one value everywhere
     # -- what the rules ask ------------------------------------------------------------
     def dims(self, t: torch.Tensor) -> tuple:
         found = self.held.get(id(t))
@@ -114,6 +114,10 @@ class _Tracer(TorchDispatchMode):
 
     def param(self, t: torch.Tensor):
         return self.params.get(id(t))
+
+    def uniform(self, t: torch.Tensor) -> bool:
+        found = self.uniforms.get(id(t))
+        return found is not None and found is t
 
     def set(self, t: torch.Tensor, dims: tuple) -> None:
         if held_spaces(dims):
@@ -142,6 +146,8 @@ class _Tracer(TorchDispatchMode):
         for t, name in derived:
             self.params[id(t)] = name
             self.pending.append(t)  # keep it alive while its id names a parameter
+        if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])):
+            self.uniforms.update((id(t), t) for t in tensors(out))
         if touched and step(func) is not None:
             self.ops.append(Logged(step(func), self.where, tuple(
                 (tuple(t.shape), self.dims(t)) for t in tensors(out))))
