@@ -53,6 +53,14 @@ def _short(fqn: str, parent: str) -> str:
     return fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else fqn
 
 
+def _replicas(names: tuple, first: str | None):
+    """The parent's style: each input several makers read, one local replica."""
+    if names == (first,):
+        return SHARED
+    kwargs = {n: Replicate() for n in names if n != first}
+    return prepare_in(*([Replicate()] if first in names else []), kwargs=kwargs, local=True)
+
+
 def _describe(group, n: int) -> str:
     """One line on a group: its makers with their heads, its exits."""
     parent = min((f.rpartition(".")[0] for f in group.entries), key=len)
@@ -84,8 +92,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
         for fqn in group.exits:
             styles[fqn] = rowwise()
         first = min(group.entries)
-        for parent in group.parents:
-            styles.setdefault(parent, SHARED)
+        for parent, names in group.parents:
+            styles.setdefault(parent, _replicas(names, flow.firsts.get(parent)))
             first = min(first, parent)
         for owner, names in group.partial.items():
             style = replicate() >> on_shards(param_grads={n_: Partial() for n_ in names})

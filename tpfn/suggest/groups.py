@@ -44,12 +44,12 @@ class Group:
     exits: tuple
     heads: dict
     partial: dict
-    parents: tuple = ()
+    parents: tuple = ()  # ((parent, the inputs several makers read), ...)
 
     @property
     def modules(self) -> set:
         """Every module the group's rules bind."""
-        return {*self.entries, *self.exits, *self.partial, *self.parents}
+        return {*self.entries, *self.exits, *self.partial, *(p for p, _ in self.parents)}
 
 
 def _units(spaces, s: int) -> set:
@@ -102,19 +102,23 @@ def decide(flow, n: int) -> tuple:
 
 
 def _shared(entries: dict, flow) -> tuple:
-    """The parents whose first input two or more of ``entries``, their children, read: each
-    takes it as one local replica, so that their input gradients are summed before one
-    all-reduce."""
-    firsts: dict = {}
+    """``((parent, names), ...)``: each parent whose inputs two or more of ``entries``, its
+    children, read (``names``: those inputs, the first of its forward's first): it takes each
+    as one local replica, so that their input gradients are summed before one all-reduce."""
+    readers: dict = {}
     for call in flow.calls:
         if call.fqn in entries and call.role == "entry":
-            firsts.setdefault(call.fqn, set()).add(call.input)
-    readers: dict = {}
-    for fqn, ids in firsts.items():
-        parent = fqn.rpartition(".")[0]
-        if parent and ids <= set(flow.inputs.get(parent, ())):
-            readers[parent] = readers.get(parent, 0) + 1
-    return tuple(sorted(p for p, k in readers.items() if k > 1))
+            parent = call.fqn.rpartition(".")[0]
+            name = flow.named.get(parent, {}).get(call.input) if parent else None
+            if name is not None:
+                readers.setdefault(parent, {}).setdefault(name, set()).add(call.fqn)
+    out = []
+    for parent, names in sorted(readers.items()):
+        shared = [n for n, fqns in names.items() if len(fqns) > 1]
+        if shared:
+            first = flow.firsts.get(parent)
+            out.append((parent, tuple(sorted(shared, key=lambda n: (n != first, n)))))
+    return tuple(out)
 
 
 def _problem(spaces, members: list, exits: list, roles: dict, n: int) -> str | None:

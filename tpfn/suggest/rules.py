@@ -20,6 +20,7 @@ features: whether each rank makes it its share is what the ranks' check sees.
 ...     def dims(self, t): return tag(plain(t.shape), 2, q) if t is x else plain(t.shape)
 ...     def param(self, t): return None
 ...     def uniform(self, t): return False
+...     def input(self, t): return None
 >>> y = x.view(2, 16, 4, 8)
 >>> carry(torch.ops.aten.view.default, (x, [2, 16, 4, 8]), {}, y, Held(), spaces)[0][0][1]
 (((2, None),), ((16, None),), ((4, 0),), ((8, None),))
@@ -27,6 +28,7 @@ features: whether each rank makes it its share is what the ranks' check sees.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from tpfn._torch import argument_names, functional_overload
@@ -34,9 +36,17 @@ from tpfn.suggest.factors import (
     REPEAT, Broken, expand, form, permute, plain, size, spaces as held_spaces, view,
 )
 
-__all__ = ["carry", "tensors", "step", "UNIFORM", "filled"]
+__all__ = ["carry", "tensors", "step", "UNIFORM", "Input", "filled"]
 
 UNIFORM = "<uniform>"  # an operand that holds one value everywhere (zeros, a fill)
+
+
+@attrs.frozen
+class Input:
+    """An operand that is (a view of) input ``name`` of module ``fqn``."""
+
+    fqn: str
+    name: str
 # Ops whose output holds one value everywhere, whatever their input holds.
 _FILLS = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
           "new_full", "scalar_tensor", "fill", "zero"}
@@ -112,16 +122,21 @@ def _pointwise(func) -> bool:
 
 
 def _line_up(operands: list, out_size: int, spaces, what: str):
-    """The dims of one output dim from the operands' dims at it (``(dims, param)`` for each
-    operand that has it whole, not broadcast): every one must hold a space, lined up alike,
-    and then their spaces are joined."""
-    held = [(d, p) for d, p in operands if held_spaces((d,))]
+    """The dims of one output dim from the operands' dims at it (``(dims, source, index)`` for
+    each operand that has it whole, not broadcast): every one must hold a space, lined up
+    alike, and then their spaces are joined. A module's input laid out per head (rows of batch
+    times heads, heads innermost: BLOOM's ALiBi) is noted, for ``per_rank(inputs=...)``."""
+    operands = [o if len(o) == 3 else (*o, None) for o in operands]
+    held = [(d, p) for d, p, _ in operands if held_spaces((d,))]
     if not held:
         return plain((out_size,))[0]
     ref = form(held[0][0])
-    for d, param in operands:
+    for d, param, index in operands:
         f = form(d)
         if f is None and param == UNIFORM:  # zeros of a global head count: the ranks' check sees
+            continue
+        if f is None and isinstance(param, Input) and index == 0 and ref[3] == 1:
+            spaces.inputs.setdefault(spaces.find(ref[2]), set()).add((param.fqn, param.name, ref[1]))
             continue
         if f is None:
             whose = f"the parameter {param}, as wide as them" if param else "a replicated tensor as wide as them"
@@ -143,7 +158,7 @@ def _broadcast(items: list, shape: tuple, spaces, what: str) -> tuple:
         for dims, s, param in items:
             j = i - (n - len(s))
             if j >= 0 and s[j] != 1:
-                operands.append((dims[j], param))
+                operands.append((dims[j], param, j))
         out.append(_line_up(operands, shape[i], spaces, what))
     return tuple(out)
 
@@ -153,7 +168,7 @@ def _partial(items: list, outs: list, spaces) -> None:
     covers its shard only)."""
     found = held_spaces(tuple(d for _, dims in outs for d in dims))
     for _, _, param in items:
-        if param and param != UNIFORM and found:
+        if isinstance(param, str) and param != UNIFORM and found:
             root = spaces.find(next(iter(found)))
             spaces.partial.setdefault(root, set()).add(param)
 
@@ -166,20 +181,26 @@ def _reduced(dims: tuple, axes, keep: bool, what: str) -> tuple:
     return tuple(() if i in axes else d for i, d in enumerate(dims) if keep or i not in axes)
 
 
+def _source(held, t):
+    """What an operand is beyond its dims: a parameter's name, ``UNIFORM``, an ``Input``, or None."""
+    return UNIFORM if held.uniform(t) else held.param(t) or held.input(t)
+
+
 def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
-    """``([(output tensor, dims), ...], [(output tensor, parameter), ...])`` of one op: the dims
-    of its outputs, and the outputs that are views or copies of a parameter."""
+    """``([(output tensor, dims), ...], [(output tensor, source), ...])`` of one op: the dims
+    of its outputs, and the outputs that are views or copies of a parameter (its name) or of a
+    module's input (an ``Input``)."""
     name = _name(func)
     base = name[:-1] if name.endswith("_") and not name.startswith("_") else name
     ins = tensors(args) + tensors(list(kwargs.values()))
     outs = tensors(out)
-    items = [(held.dims(t), tuple(t.shape), UNIFORM if held.uniform(t) else held.param(t)) for t in ins]
+    items = [(held.dims(t), tuple(t.shape), _source(held, t)) for t in ins]
     what = f"{base}"
     if not any(held_spaces(d) for d, _, _ in items):
         derived = []
-        if ins and held.param(ins[0]) and (base in _RESHAPES | _SAME | {"expand", "permute", "transpose",
-                                                                        "t", "select", "slice"}):
-            derived = [(o, held.param(ins[0])) for o in outs]
+        source = (held.param(ins[0]) or held.input(ins[0])) if ins else None
+        if source and base in _RESHAPES | _SAME | {"expand", "permute", "transpose", "t", "select", "slice"}:
+            derived = [(o, source) for o in outs]
         return [(o, plain(o.shape)) for o in outs], derived
     first = items[0][0] if items else ()
     x = ins[0] if ins else None

@@ -45,6 +45,7 @@ class Spaces:
         self.units: dict = {}     # space -> {sizes its features split into: the mesh must divide them}
         self.exits: dict = {}     # space -> {fqn of a linear that contracts it}
         self.partial: dict = {}   # root -> {(owner fqn, parameter name)} whose gradient is partial
+        self.inputs: dict = {}    # root -> {(module fqn, input name, heads)} laid out per head
         self._made: dict = {}
 
     def _add(self, key, space: Space) -> int:
@@ -85,6 +86,7 @@ class Spaces:
         if rb in self._broken:
             self._broken.setdefault(ra, self._broken.pop(rb))
         self.partial.setdefault(ra, set()).update(self.partial.pop(rb, set()))
+        self.inputs.setdefault(ra, set()).update(self.inputs.pop(rb, set()))
 
     def fail(self, spaces, why: str) -> None:
         """Break the groups of ``spaces`` (the first reason stays)."""

@@ -28,7 +28,7 @@ from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
-from tpfn.suggest.rules import carry, filled, step, tensors
+from tpfn.suggest.rules import Input, carry, filled, step, tensors
 from tpfn.suggest.spaces import Spaces
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
@@ -76,18 +76,39 @@ class Flow:
     spaces: Spaces
     calls: list
     ops: list
-    inputs: dict    # module fqn -> [id of its first input, per call]
+    named: dict     # module fqn -> {id of an input: its name}
+    firsts: dict    # module fqn -> the name of its forward's first input
     output: list    # the model's output tensors (shape, itemsize)
 
 
-def _first_input(module: nn.Module, args: tuple, kwargs: dict):
-    if args:
-        return args[0]
+def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A module call's inputs by the names its forward gives them (``*args`` as ``args.i``)."""
     try:
-        first = next(iter(inspect.signature(module.forward).parameters))
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out = {}
+    params = inspect.signature(module.forward).parameters
+    for name, value in bound.items():
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            out.update({f"{name}.{i}": v for i, v in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _first_name(module: nn.Module) -> str | None:
+    try:
+        return next(iter(inspect.signature(module.forward).parameters))
     except (StopIteration, TypeError, ValueError):
         return None
-    return kwargs.get(first)
+
+
+def _first_input(module: nn.Module, args: tuple, kwargs: dict):
+    return args[0] if args else kwargs.get(_first_name(module))
 
 
 class _Tracer(TorchDispatchMode):
@@ -101,9 +122,11 @@ class _Tracer(TorchDispatchMode):
         self.inside = 0          # depth inside a linear or embedding
         self.calls: list = []
         self.ops: list = []
-        self.inputs: dict = {}
+        self.firsts: dict = {}
         self.pending: list = []
         self.uniforms: dict = {}  # id -> a tensor holding one value everywhere
+        self.sources: dict = {}   # id -> (tensor, Input): a module's input (or a view of one)
+        self.named: dict = {}     # module fqn -> {id of an input: its name}
     # -- what the rules ask ------------------------------------------------------------
     def dims(self, t: torch.Tensor) -> tuple:
         found = self.held.get(id(t))
@@ -114,6 +137,10 @@ class _Tracer(TorchDispatchMode):
 
     def param(self, t: torch.Tensor):
         return self.params.get(id(t))
+
+    def input(self, t: torch.Tensor):
+        found = self.sources.get(id(t))
+        return found[1] if found is not None and found[0] is t else None
 
     def uniform(self, t: torch.Tensor) -> bool:
         found = self.uniforms.get(id(t))
@@ -143,9 +170,12 @@ class _Tracer(TorchDispatchMode):
             found, derived = [(o, plain(o.shape)) for o in tensors(out)], []
         for t, dims in found:
             self.set(t, dims)
-        for t, name in derived:
-            self.params[id(t)] = name
-            self.pending.append(t)  # keep it alive while its id names a parameter
+        for t, source in derived:
+            if isinstance(source, Input):
+                self.sources[id(t)] = (t, source)
+            else:
+                self.params[id(t)] = source
+                self.pending.append(t)  # keep it alive while its id names a parameter
         if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])):
             self.uniforms.update((id(t), t) for t in tensors(out))
         if touched and step(func) is not None:
@@ -155,9 +185,12 @@ class _Tracer(TorchDispatchMode):
 
     # -- modules -------------------------------------------------------------------------
     def pre(self, fqn: str, module: nn.Module, args, kwargs):
-        first = _first_input(module, args, kwargs)
         if not self.inside:
-            self.inputs.setdefault(fqn, []).append(id(first) if isinstance(first, torch.Tensor) else None)
+            self.firsts.setdefault(fqn, _first_name(module))
+            for name, value in _named(module, args, kwargs).items():
+                if isinstance(value, torch.Tensor) and self.param(value) is None:
+                    self.sources[id(value)] = (value, Input(fqn, name))
+                    self.named.setdefault(fqn, {})[id(value)] = name
         self.stack.append(fqn)
         if kind_of(module) is not None:
             self.inside += 1
@@ -227,7 +260,7 @@ def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
         held = held_spaces(tracer.dims(t))
         if held:
             tracer.spaces.fail(held, "they reach the model's output")
-    return Flow(tracer.spaces, tracer.calls, tracer.ops, tracer.inputs,
+    return Flow(tracer.spaces, tracer.calls, tracer.ops, tracer.named, tracer.firsts,
                 [(tuple(t.shape), t.element_size()) for t in results])
 
 
