@@ -42,17 +42,29 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
+class Act(nn.Module):
+    """An activation with a parameter of its own (a learned slope, through softplus)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return F.gelu(x) * F.softplus(self.alpha)
+
+
 class Block(nn.Module):
     def __init__(self, dim=32, norm_inside=False, **kw):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = Attention(dim, **kw)
         self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.act = Act()
         self.inner = nn.LayerNorm(4 * dim) if norm_inside else nn.Identity()
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
-        return x + self.down(self.inner(F.gelu(self.up(self.norm2(x)))))
+        return x + self.down(self.inner(self.act(self.up(self.norm2(x)))))
 
 
 class Toy(nn.Module):
@@ -99,7 +111,9 @@ def test_attention_is_sharded_on_the_heads_its_views_make_with_one_replica_for_q
         "embed": "colwise() >> prepare_out(Replicate())",
         "layers.*.attn": "prepare_in(Replicate(), local=True)",
         "layers.*.attn.k": "colwise()", "layers.*.attn.q": "colwise()", "layers.*.attn.v": "colwise()",
-        "layers.*.attn.o": "rowwise()", "layers.*.up": "colwise()", "layers.*.down": "rowwise()"}
+        "layers.*.attn.o": "rowwise()", "layers.*.up": "colwise()", "layers.*.down": "rowwise()",
+        # its parameter meets the sharded features: each rank's gradient is a partial sum
+        "layers.*.act": "replicate() >> on_shards(param_grads={'alpha': Partial()})"}
     assert notes(p)["layers.*.attn"] == ("over 2 ranks: k (2 heads), q (4 heads), v (2 heads) column-wise; "
                                          "o row-wise, one all-reduce")
     assert notes(p)["head"] == "left whole: sharding it would move 8.0 KiB per step to save 4.0 KiB per rank"
@@ -180,7 +194,9 @@ def test_the_plan_of_a_model_is_at_one_devices_numbers_on_two_ranks(ranks2):
     found = ranks2.run(_one_step)
     for errors, forward, backward in found:
         assert max(errors.values()) < TOL, {k: v for k, v in errors.items() if v >= TOL}
-    assert found[0][1] == {"all_reduce": 4, "all_gather": 1} and found[0][2] == {"all_reduce": 4}
+    # forward: the 4 pairs' exits, the embedding's gather; backward: the 4 shared replicas, and
+    # the activations' partial slope gradients, summed at the end in one all-reduce
+    assert found[0][1] == {"all_reduce": 4, "all_gather": 1} and found[0][2] == {"all_reduce": 5}
 
 
 def _one_step():

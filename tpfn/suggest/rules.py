@@ -6,7 +6,8 @@ reduction, softmax or norm over them, a matmul that contracts them, an index int
 replicated tensor (or parameter) of their full size meeting them, or an op no rule here
 knows (nothing is guessed). Elementwise ops, views, transposes, copies, batched matmuls
 and attention carry them; where two spaces meet on one dim they are joined, and a
-replicated parameter that meets a sharded tensor by broadcasting gets a partial gradient. A
+replicated tensor that meets a sharded one by broadcasting passes a partial gradient to every
+parameter it was computed from. A
 tensor that holds one value everywhere (zeros made with a head count) may meet sharded
 features: whether each rank makes it its share is what the ranks' check sees.
 
@@ -21,6 +22,7 @@ features: whether each rank makes it its share is what the ranks' check sees.
 ...     def param(self, t): return None
 ...     def uniform(self, t): return False
 ...     def input(self, t): return None
+...     def deps(self, t): return set()
 >>> y = x.view(2, 16, 4, 8)
 >>> carry(torch.ops.aten.view.default, (x, [2, 16, 4, 8]), {}, y, Held(), spaces)[0][0][1]
 (((2, None),), ((16, None),), ((4, 0),), ((8, None),))
@@ -163,14 +165,13 @@ def _broadcast(items: list, shape: tuple, spaces, what: str) -> tuple:
     return tuple(out)
 
 
-def _partial(items: list, outs: list, spaces) -> None:
-    """A parameter an op uses with sharded outputs gets a partial gradient (each rank's
-    covers its shard only)."""
+def _partial(deps: list, outs: list, spaces) -> None:
+    """The parameters a replicated input of an op with sharded outputs depends on get partial
+    gradients (each rank's covers its shard only)."""
     found = held_spaces(tuple(d for _, dims in outs for d in dims))
-    for _, _, param in items:
-        if isinstance(param, str) and param != UNIFORM and found:
-            root = spaces.find(next(iter(found)))
-            spaces.partial.setdefault(root, set()).add(param)
+    if found:
+        root = spaces.find(next(iter(found)))
+        spaces.partial.setdefault(root, set()).update(*deps)
 
 
 def _reduced(dims: tuple, axes, keep: bool, what: str) -> tuple:
@@ -273,7 +274,7 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     else:
         raise Broken(held_spaces(tuple(d for dims, _, _ in items for d in dims)),
                      f"{func} (an op no rule says how it treats sharded features)")
-    _partial(items, found, spaces)
+    _partial([held.deps(t) for t in ins if not held_spaces(held.dims(t))], found, spaces)
     return found, []
 
 

@@ -114,10 +114,12 @@ def _first_input(module: nn.Module, args: tuple, kwargs: dict):
 class _Tracer(TorchDispatchMode):
     def __init__(self, model: nn.Module, excluded):
         super().__init__()
+        self.module = model.get_submodule
         self.spaces = Spaces()
         self.excluded = set(excluded)
         self.held: dict = {}     # id -> (tensor, dims)
         self.params = {id(p): name for name, p in model.named_parameters()}
+        self.depends = {id(p): (p, {name}) for name, p in model.named_parameters()}
         self.stack: list = []
         self.inside = 0          # depth inside a linear or embedding
         self.calls: list = []
@@ -137,6 +139,11 @@ class _Tracer(TorchDispatchMode):
 
     def param(self, t: torch.Tensor):
         return self.params.get(id(t))
+
+    def deps(self, t: torch.Tensor) -> set:
+        """The parameters a replicated tensor was computed from."""
+        found = self.depends.get(id(t))
+        return found[1] if found is not None and found[0] is t else set()
 
     def input(self, t: torch.Tensor):
         found = self.sources.get(id(t))
@@ -170,6 +177,10 @@ class _Tracer(TorchDispatchMode):
             found, derived = [(o, plain(o.shape)) for o in tensors(out)], []
         for t, dims in found:
             self.set(t, dims)
+        deps = set().union(*(self.deps(t) for t in ins if not held_spaces(self.dims(t))))
+        for t in tensors(out):
+            if deps and not held_spaces(self.dims(t)):
+                self.depends[id(t)] = (t, deps)
         for t, source in derived:
             if isinstance(source, Input):
                 self.sources[id(t)] = (t, source)
@@ -227,6 +238,9 @@ class _Tracer(TorchDispatchMode):
             role, space = "entry", self.spaces.new(fqn, out.shape[-1])
         out_dims = tag(plain(out.shape), out.dim() - 1, space) if role == "entry" else plain(out.shape)
         self.set(out, out_dims)
+        if role == "whole":  # a replicated module: its output depends on its parameters
+            owned = {f"{fqn}.{n}" for n, _ in self.module(fqn).named_parameters()}
+            self.depends[id(out)] = (out, self.deps(x) | owned)
         self.calls.append(Call(fqn, kind, role, space, id(x), tuple(x.shape), tuple(out.shape),
                                out.element_size(), out_dims))
 
