@@ -9,9 +9,12 @@ fewer heads than ranks). An attention that views its local features by a global 
 (``view(b, -1, self.num_heads, d)``) fails here, though no shape error need follow: it
 would be wrong silently.
 
-Returns ``(failed, comms)``: ``failed`` maps a module to why, for a group that does not
-compute its share one of the modules making its features, for a run that fails the
-innermost module the plan binds around the failure; ``comms``, the collectives of the step.
+Returns ``(failed, comms, skipped)``: ``failed`` maps a module to why, for a group that does
+not compute its share one of the modules making its features, for a run that fails the
+innermost module the plan binds around the failure; ``comms``, the collectives of the step;
+``skipped``, why the backward did not run, or None. (A tensor the forward computed from its
+inputs, real, that took a value of the weights in place (``tpfn.suggest.hybrid``) hands
+autograd a gradient on another device: the dry run then checks the forward alone.)
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
     copy, mesh = hybrid_copy(model), new_fake_mesh(n)
     replay = _Replay(flow, n)
     comms: list = []
+    skipped = None
     try:
         try:
             parallelize(copy, mesh, plan, src_rank=None)
@@ -132,7 +136,7 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
             named = {m.group(1): p for p in e.problems for m in [re.match(r"'([^']*)' \(", p)] if m}
             if not named:
                 raise
-            return named, []
+            return named, [], None
         bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
         for fqn, module in copy.named_modules():
             module.register_forward_pre_hook(lambda m, a, fqn=fqn: replay.pre(fqn, m))
@@ -144,8 +148,14 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
                 out = copy(*args, **kwargs)
                 replay.done, hybrid.values = True, False
                 grads = [t.sum() for t in floats(out)]
-                if grads:
-                    torch.autograd.backward(grads)
+                try:
+                    if grads:
+                        torch.autograd.backward(grads)
+                except RuntimeError as e:
+                    if "expected device" not in str(e):
+                        raise
+                    skipped = ("the dry run ran the forward only: a tensor the forward computed "
+                               "from its inputs took a value of its weights in place")
         except Exception as e:  # noqa: BLE001 - a run that fails: the module it fails in
             failed = failing_module(e, copy) or ""
             around = [f for f in bound if f == failed or failed.startswith(f + ".") or not f]
@@ -157,4 +167,4 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
                 replay.failed.setdefault(fqn, why)
     finally:
         release(mesh)
-    return replay.failed, list(comms)
+    return replay.failed, list(comms), skipped

@@ -8,6 +8,8 @@ meta (no memory, ties kept) and its buffers and tensor attributes real, on the C
 one on real tensors alone computes for real. So the ids, masks and positions a forward
 derives from its inputs keep their values, and everything the weights touch is a shape.
 Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
+A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from then on, and
+counts as meta wherever it is read.
 
 ``Hybrid`` also runs ``_grouped_mm`` (transformers' fused experts) on meta in any float dtype:
 its meta kernel checks the dtype a GPU kernel would need.
@@ -87,9 +89,9 @@ def _to_meta(x):
     return x
 
 
-# Ops whose values do not depend on their tensor argument's: made real where it is meta.
-_SHAPED = {"zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones", "new_full",
-           "new_empty", "new_empty_strided"}
+# Ops whose values do not depend on their tensor argument's: made real where it is meta (a mask
+# of ones shaped like the embeddings). Uninitialized ones stay meta: a forward fills them.
+_SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
 
 
 class Hybrid(TorchDispatchMode):
@@ -99,6 +101,10 @@ class Hybrid(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.values = True
+        self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
+
+    def _meta(self, t: torch.Tensor) -> bool:
+        return t.is_meta or t.untyped_storage().data_ptr() in self.unknown
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,7 +117,13 @@ class Hybrid(TorchDispatchMode):
             return out.zero_() if "empty" in name else out
         if name == "_to_copy" and found and (found[0].is_meta or meta):  # .to(device): stays as it is
             kwargs = {k: v for k, v in kwargs.items() if k != "device"}
-        if any(t.is_meta for t in found) and not all(t.is_meta for t in found):
+        if any(map(self._meta, found)) and not all(t.is_meta for t in found):
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if first is not None and not first.is_meta and torch.Tag.inplace in func.tags:
+                # a meta value written into a real tensor: what it holds is unknown from now on,
+                # and it counts as meta wherever it is read
+                self.unknown[first.untyped_storage().data_ptr()] = first.untyped_storage()
+                return first
             args, kwargs = _to_meta(args), _to_meta(kwargs)
         if func is _GROUPED_MM and found and found[0].is_meta \
                 and found[0].dtype != torch.bfloat16:

@@ -141,7 +141,9 @@ def _line_up(operands: list, out_size: int, spaces, what: str):
             spaces.inputs.setdefault(spaces.find(ref[2]), set()).add((param.fqn, param.name, ref[1]))
             continue
         if f is None:
-            whose = f"the parameter {param}, as wide as them" if param else "a replicated tensor as wide as them"
+            whose = (f"the parameter {param}, as wide as them" if isinstance(param, str) else
+                     f"input {param.name!r} of {param.fqn or '<root>'!r}, replicated and as wide as them"
+                     if isinstance(param, Input) else "a replicated tensor as wide as them")
             raise Broken(held_spaces(tuple(h for h, _ in held)), f"{what} of the sharded features with {whose}")
         if f[0] != ref[0] or f[1] * f[3] != ref[1] * ref[3]:
             raise Broken(held_spaces(tuple(h for h, _ in held)),
@@ -211,6 +213,13 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
         found = [(o, first) if tuple(o.shape) == tuple(x.shape) else (o, plain(o.shape)) for o in outs]
         if any(held_spaces(d) for d, _, _ in items[1:]):  # copy_(dst, src): src's dims
             found = [(o, _broadcast(items, tuple(o.shape), spaces, what)) for o in outs]
+    elif base.startswith("new_"):  # a new tensor of sizes given (a buffer to fill)
+        found = [(o, plain(o.shape)) for o in outs]
+    elif base == "view_as_complex":  # (..., 2) real pairs as complex numbers
+        _reduced(first, [x.dim() - 1], False, "view_as_complex")
+        found = [(outs[0], first[:-1])]
+    elif base == "view_as_real":
+        found = [(outs[0], first + plain((2,)))]
     elif base == "expand":
         found = [(outs[0], expand(first, tuple(x.shape), tuple(outs[0].shape)))]
     elif base in ("permute", "transpose", "t", "swapaxes", "numpy_T"):

@@ -99,7 +99,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
         used = {f for g in groups for f in (*g.entries, *g.exits)}
         choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "")
-        failed, comms = check(meta, plan, n, args, kwargs, flow)
+        failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
         if not failed:
             break
         before = (len(excluded), len(whole))
@@ -112,7 +112,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
     sequence = sequence_parallel(groups, flow, n)
-    header += f"\n{sequence}" if sequence else ""
+    header += "".join(f"\n{note}" for note in (skipped, sequence) if note)
     return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header))
 
 
