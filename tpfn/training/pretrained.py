@@ -65,7 +65,6 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _CAP = 20  # problems listed per kind; the rest are counted
-log = logging.getLogger("tpfn")
 
 _DTYPES = {code: getattr(torch, name) for code, name in {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
