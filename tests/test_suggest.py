@@ -13,14 +13,14 @@ import tpfn
 from tests.models import one_step
 from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
-from tpfn.suggest.factors import local_size, plain, tag, view
+from tpfn.suggest.factors import local_shape, plain, tag, view
 
 TOL = 1e-5  # float32 sums in another order (tests/test_parallelize.py's bar for a block)
 
 
 class Attention(nn.Module):
     """Multi-head attention viewing its heads by ``-1`` (or, ``by_count``, by its global head
-    count, as OPT does)."""
+    count, as OPT does; ``"literal"``: by a number written in the code)."""
 
     def __init__(self, dim=32, heads=4, kv_heads=None, by_count=False):
         super().__init__()
@@ -33,7 +33,8 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         if self.by_count:
-            q, k, v = (p(x).view(b, -1, self.heads, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+            h = 4 if self.by_count == "literal" else self.heads
+            q, k, v = (p(x).view(b, -1, h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
         else:
             q, k, v = (p(x).view(b, s, -1, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
         if k.shape[1] != q.shape[1]:
@@ -120,12 +121,15 @@ def test_attention_is_sharded_on_the_heads_its_views_make_with_one_replica_for_q
     assert eval(repr(p), NAMESPACE) == p
 
 
-def test_a_view_by_the_global_head_count_is_caught_op_by_op_and_left_whole_with_the_reason():
+def test_a_view_by_the_global_head_count_is_caught_op_by_op_and_held_per_rank():
     """OPT's attention views ``(b, -1, self.num_heads, d)``: on a rank's half of the features that
-    halves the positions instead of the heads, and no shape error follows."""
+    halves the positions instead of the heads, and no shape error follows. The ranks' check
+    sees it, and the head count held per rank (``per_rank``) fixes it."""
     p = tpfn.suggest(Toy(by_count=True), 2, example_inputs=(2, 16))
-    assert not any(k.startswith("layers.*.attn") for k in rules(p))
-    assert notes(p)["layers.*.attn"] == (
+    assert rules(p)["layers.*.attn"] == "prepare_in(Replicate(), local=True) >> per_rank('heads')"
+    literal = tpfn.suggest(Toy(by_count="literal"), 2, example_inputs=(2, 16))
+    assert not any(k.startswith("layers.*.attn") for k in rules(literal))
+    assert notes(literal)["layers.*.attn"] == (
         "left whole, k, q, v, o: on a rank's shard 'layers.*.attn' computes aten.view.default of shape "
         "(2, 8, 4, 8) where its share of (2, 16, 4, 8) is (2, 16, 2, 8)")
 
@@ -227,5 +231,5 @@ def test_heads_split_from_features_and_merged_back_hold_each_ranks_share(b, s, h
     split = view(dims, (b, s, heads * d), (b, s, heads, d), units)
     merged = view(split, (b, s, heads, d), (b, s, heads * d), units)
     if heads % n == 0:  # a rank holds its heads whole, split or merged back
-        assert [local_size(x, n, units) for x in split] == [b, s, heads // n, d]
-        assert [local_size(x, n, units) for x in merged] == [b, s, heads * d // n]
+        assert local_shape(split, n, units) == (b, s, heads // n, d)
+        assert local_shape(merged, n, units) == (b, s, heads * d // n)

@@ -19,8 +19,10 @@ autograd a gradient on another device: the dry run then checks the forward alone
 
 from __future__ import annotations
 
+import math
 import re
 
+import attrs
 import torch
 import torch.nn as nn
 
@@ -32,12 +34,31 @@ from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.lints import failing_module
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
-from tpfn.suggest.factors import local_size, spaces as held_spaces
+from tpfn.suggest.factors import local_shape, spaces as held_spaces
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy
 from tpfn.suggest.rules import step, tensors
 from tpfn.suggest.trace import kind_of
 
-__all__ = ["check"]
+__all__ = ["check", "Failure"]
+
+LOOKAHEAD = 8  # traced ops a rank's code may skip as identities at its sizes
+SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+             "aten.squeeze.dims", "aten.slice.Tensor", "aten.alias.default"}
+
+
+def ins_numel(args, kwargs, replay) -> int:
+    """The elements of the first input of an op that holds sharded features."""
+    held = [t for t in tensors(args) + tensors(list(kwargs.values())) if replay.dims(t)]
+    return held[0].numel() if held else -1
+
+
+@attrs.frozen
+class Failure:
+    """Why a module's group (or the module) does not compute its share, and the module whose
+    forward went wrong."""
+
+    why: str
+    where: str
 
 
 class _Replay(TorchDispatchMode):
@@ -47,7 +68,7 @@ class _Replay(TorchDispatchMode):
         super().__init__()
         self.flow, self.n = flow, n
         self.held: dict = {}
-        self.ops = iter(flow.ops)
+        self.ops, self.next = flow.ops, 0
         self.calls: dict = {}
         for call in flow.calls:
             self.calls.setdefault(call.fqn, []).append(call)
@@ -61,13 +82,13 @@ class _Replay(TorchDispatchMode):
         return found[1] if found is not None and found[0] is t else None
 
     def expected(self, dims) -> tuple:
-        return tuple(local_size(d, self.n, self.flow.spaces.units) for d in dims)
+        return local_shape(dims, self.n, self.flow.spaces.units)
 
-    def fail(self, dims_list, why: str) -> None:
+    def fail(self, dims_list, why: str, where: str) -> None:
         spaces = self.flow.spaces
         for dims in dims_list:
             for s in held_spaces(dims):
-                self.failed.setdefault(spaces.spaces[spaces.find(s)].producer, why)
+                self.failed.setdefault(spaces.spaces[spaces.find(s)].producer, Failure(why, where))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,19 +103,34 @@ class _Replay(TorchDispatchMode):
             for t in tensors(out):
                 self.held[id(t)] = (t, ins[0])
             return out
-        seen = next(self.ops, None)
-        if seen is None or seen.op != step(func) or seen.where != where:
+        seen = self._resync(step(func), where, ins_numel(args, kwargs, self))
+        if seen is None:
+            seen = self.ops[self.next] if self.next < len(self.ops) else None
             self.fail(ins, f"on a rank's shard {generalize(where) or '<root>'!r} runs {func} where the "
-                      f"whole model runs {seen.op if seen else 'nothing'}: its code takes another path")
+                      f"whole model runs {seen.op if seen else 'nothing'}: its code takes another path", where)
             self.done = True
             return out
         for t, (shape, dims) in zip(tensors(out), seen.outputs):
             want = self.expected(dims)
             if tuple(t.shape) != want:
                 self.fail(ins + [dims], f"on a rank's shard {generalize(where) or '<root>'!r} computes "
-                          f"{func} of shape {tuple(t.shape)} where its share of {shape} is {want}")
+                          f"{func} of shape {tuple(t.shape)} where its share of {shape} is {want}", where)
             self.held[id(t)] = (t, dims)
         return out
+
+    def _resync(self, op: str, where: str, numel: int):
+        """The traced op the rank's ``op`` is, where the rank's code skips views and expands
+        that are identities at its share's sizes (a repeat of KV heads by one); None if none."""
+        for k in range(self.next, min(self.next + LOOKAHEAD, len(self.ops))):
+            found = self.ops[k]
+            if found.op == op and found.where == where:
+                skipped = self.ops[self.next:k]
+                if all(e.where == where and e.op in SKIPPABLE and all(
+                        math.prod(self.expected(d)) == numel for _, d in e.outputs) for e in skipped):
+                    self.next = k + 1
+                    return found
+                return None
+        return None
 
     def pre(self, fqn: str, module: nn.Module):
         self.stack.append(fqn)
@@ -113,12 +149,12 @@ class _Replay(TorchDispatchMode):
         dims = self.dims(x) if isinstance(x, torch.Tensor) else None
         if call.role == "exit" and dims is not None and tuple(x.shape) != self.expected(dims):
             self.fail([dims], f"{generalize(fqn)!r} is handed {tuple(x.shape)} where its share "
-                      f"of {call.in_shape} is {self.expected(dims)}")
+                      f"of {call.in_shape} is {self.expected(dims)}", self.stack[-1] if self.stack else "")
         if call.role == "entry":
             want = self.expected(call.out_dims)
             if tuple(out.shape) != want:
                 self.fail([call.out_dims], f"{generalize(fqn)!r} makes {tuple(out.shape)} where its "
-                          f"share of {call.out_shape} is {want}")
+                          f"share of {call.out_shape} is {want}", fqn)
             self.held[id(out)] = (out, call.out_dims)
 
 
@@ -133,7 +169,8 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
         try:
             parallelize(copy, mesh, plan, src_rank=None)
         except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
-            named = {m.group(1): p for p in e.problems for m in [re.match(r"'([^']*)' \(", p)] if m}
+            named = {m.group(1): Failure(p, m.group(1)) for p in e.problems
+                     for m in [re.match(r"'([^']*)' \(", p)] if m}
             if not named:
                 raise
             return named, [], None
@@ -164,7 +201,7 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
             why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
                    f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             for fqn in [max(around, key=len)] if around else inside or [failed]:
-                replay.failed.setdefault(fqn, why)
+                replay.failed.setdefault(fqn, Failure(why, failed))
     finally:
         release(mesh)
     return replay.failed, list(comms), skipped

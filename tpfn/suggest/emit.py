@@ -67,7 +67,8 @@ def _describe(group, n: int) -> str:
     makers = []
     for fqn, entry in sorted(group.entries.items()):
         heads = group.heads.get(fqn) or ()
-        what = (f"{entry.parts} parts" if entry.parts else
+        what = (f"{len(entry.parts)} parts of {entry.parts[0]}" if len(set(entry.parts)) == 1 else
+                f"parts of {', '.join(map(str, entry.parts))}" if entry.parts else
                 f"{heads[0]} heads held by groups of {n // heads[0]} ranks" if entry.heads else
                 f"{heads[0]} heads" if heads else f"{entry.width} features")
         makers.append(f"{_short(fqn, parent)} ({what})")
@@ -82,9 +83,10 @@ def brief(why: str) -> str:
     return first if len(first) <= BRIEF else first[:BRIEF - 1].rstrip() + "…"
 
 
-def assemble(model, flow, groups: list, choices: list, refused: list, n: int, header: str):
+def assemble(model, flow, groups: list, choices: list, refused: list, n: int, header: str,
+             extra: dict | None = None):
     """The plan (with its notes) of ``groups`` and lone ``choices``; ``refused``: the pairs
-    left whole, and why."""
+    left whole, and why; ``extra``: module -> a style to append (its sizes held per rank)."""
     styles, notes = {}, {}
     for group in groups:
         for fqn, entry in group.entries.items():
@@ -99,6 +101,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
             style = replicate() >> on_shards(param_grads={n_: Partial() for n_ in names})
             styles[owner] = styles[owner] >> style if owner in styles else style
         notes[first] = _describe(group, n)
+    for fqn, style in (extra or {}).items():
+        styles[fqn] = styles[fqn] >> style if fqn in styles else style
     for choice in choices:
         if choice.style is not None:
             styles[choice.fqn] = choice.style

@@ -15,8 +15,8 @@ are strided, and every op that treats the dim as a batch keeps them apart.
 (((2, None),), ((16, None),), ((4, 7),), ((8, None),))
 >>> view(heads, (2, 16, 4, 8), (32, 4, 8))               # batch and positions as one
 (((32, None),), ((4, 7),), ((8, None),))
->>> [local_size(d, 2, {}) for d in heads]                  # rank 0 of 2: 2 heads
-[2, 16, 2, 8]
+>>> local_shape(heads, 2, {})                             # rank 0 of 2: 2 heads
+(2, 16, 2, 8)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["REPEAT", "Broken", "plain", "tag", "spaces", "view", "expand", "permute", "size", "form",
-           "local_size"]
+           "local_shape"]
 
 REPEAT = "repeat"
 
@@ -132,19 +132,20 @@ def permute(dims: tuple, order) -> tuple:
     return tuple(dims[i] for i in order)
 
 
-def local_size(dim: tuple, n: int, units: dict) -> int:
-    """A dim's size on rank 0 of ``n`` when each space is sharded: ``1/n`` of its factor where
-    ``n`` divides its units; one unit (a head held by ``n // units`` ranks), and ``1/n`` of
-    the copies made of it, where its units divide ``n``."""
-    out = 1
-    f_space = form(dim)
-    few = f_space is not None and min(units.get(f_space[2], {f_space[1]})) < n
-    for f, t in dim:
-        if isinstance(t, int):
-            u = min(units.get(t, {f}))
-            out *= f // u if u < n else -(-f // n)
-        elif t == REPEAT and few:
-            out *= f * min(units.get(f_space[2], {f_space[1]})) // n
-        else:
-            out *= f
-    return out
+def local_shape(dims: tuple, n: int, units: dict) -> tuple:
+    """A tensor's shape on rank 0 of ``n`` when each space is sharded: ``1/n`` of a space's
+    factor where ``n`` divides its units; else one unit (a head held by ``n // units`` ranks),
+    and the copies made of it next (``expand`` of a KV head) shrink to ``units / n`` of theirs."""
+    out, few = [], None
+    for dim in dims:
+        size = 1
+        for f, t in dim:
+            if isinstance(t, int):
+                u = min(units.get(t, {f}))
+                few = u if u < n else None
+                size *= f // u if few else -(-f // n)
+                continue
+            size *= f * few // n if t == REPEAT and few else f
+            few = few if t == REPEAT else None
+        out.append(size)
+    return tuple(out)

@@ -45,6 +45,7 @@ class Group:
     heads: dict
     partial: dict
     parents: tuple = ()  # ((parent, the inputs several makers read), ...)
+    inputs: tuple = ()   # ((module, input name, heads), ...): inputs laid out per head
 
     @property
     def modules(self) -> set:
@@ -97,7 +98,7 @@ def decide(flow, n: int) -> tuple:
             owner, _, leaf = name.rpartition(".")
             partial.setdefault(owner, []).append(leaf)
         chosen.append(Group(entries, tuple(exits), heads, {k: tuple(v) for k, v in partial.items()},
-                            _shared(entries, flow)))
+                            _shared(entries, flow), tuple(sorted(spaces.inputs.get(root, ())))))
     return chosen, refused
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import collections
 
+import attrs
+
 import torch.distributed as dist
 import torch.nn as nn
 
-from tpfn._fqn import join
+from tpfn._fqn import generalize, join
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
 from tpfn.layout import Shard
@@ -34,6 +36,7 @@ from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.hybrid import hybrid_copy
 from tpfn.suggest.inputs import example
+from tpfn.suggest.sizes import candidates, sizes, style
 from tpfn.suggest.trace import follow
 
 __all__ = ["suggest", "sharded_share"]
@@ -84,6 +87,9 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     pairs: dict = {}      # the makers of a pair left whole -> Refused
     whole: dict = {}      # lone module -> why it computes whole
     outputs: set = set()  # makers whose features are the model's output
+    held: dict = {}       # module -> {(attribute, how)}: sizes it holds per rank (per_rank)
+    tried: dict = {}      # modules (by pattern) whose sizes were looked for -> why they failed
+    minimized = False
     while True:
         flow = follow(meta, args, kwargs, excluded)
         groups, refused = decide(flow, n)
@@ -98,27 +104,81 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)}
         choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
-        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "")
+        extra = _extra(held, groups)
+        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "", extra)
         failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
+        if failed and _look_for_sizes(failed, groups, meta, held, tried):
+            continue
+        if not failed and held and not minimized:
+            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, "",
+                                                             _extra(h, groups)), n, args, kwargs, flow)[0])
+            minimized = True
+            continue
         if not failed:
             break
         before = (len(excluded), len(whole))
+        failed = {f: attrs.evolve(x, why=tried.get(generalize(x.where), x.why)) for f, x in failed.items()}
         _blame(failed, groups, excluded, pairs, whole)
         if (len(excluded), len(whole)) == before:
             raise RuntimeError(f"suggest's dry run of {type(model).__name__} on {n} fake ranks fails where "
-                               f"nothing is sharded: {next(iter(failed.values()))}")
+                               f"nothing is sharded: {next(iter(failed.values())).why}")
     sharded, total = sharded_share(meta, plan)
     header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
     sequence = sequence_parallel(groups, flow, n)
     header += "".join(f"\n{note}" for note in (skipped, sequence) if note)
-    return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header))
+    return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header), extra)
+
+
+def _look_for_sizes(failed: dict, groups: list, model: nn.Module, held: dict, tried: dict) -> bool:
+    """Where a group's module computes other shapes than its share, hold the attributes that
+    may be its global sizes per rank (``tpfn.suggest.sizes``), on every module of its kind in
+    the groups; whether any were found. ``tried``: the modules looked at, and the first
+    reason each failed for."""
+    found = False
+    for fqn, failure in failed.items():
+        for group in (g for g in groups if fqn in g.modules):
+            pattern = generalize(failure.where)
+            if not failure.where or pattern in tried:
+                continue
+            tried[pattern] = failure.why
+            named = candidates(model.get_submodule(failure.where), sizes(group))
+            if named or any(generalize(m) == pattern for m, _, _ in group.inputs):
+                for m, _ in model.named_modules():
+                    if generalize(m) == pattern:
+                        held[m] = set(named)
+                found = True
+    return found
+
+
+def _extra(held: dict, groups: list) -> dict:
+    """The per_rank style of each module of (or around) a sharded group that holds sizes per
+    rank (with the inputs its group found laid out per head)."""
+    inputs: dict = {}
+    for group in groups:
+        for module, name, heads in group.inputs:
+            inputs.setdefault(module, {})[name] = heads
+    ours = {".".join(f.split(".")[:i]) for g in groups for f in g.modules
+            for i in range(len(f.split(".")) + 1)} | set(inputs)  # the groups' modules and around them
+    return {m: style(found, inputs.get(m)) for m, found in held.items()
+            if m in ours and (found or inputs.get(m))}
+
+
+def _fewest(held: dict, passes) -> None:
+    """Leave out of ``held`` each attribute (on every module that holds it) without which the
+    check still ``passes``."""
+    for path, how in sorted({(p, h) for found in held.values() for p, h in found}, key=str):
+        trial = {m: {x for x in found if x != (path, how)} for m, found in held.items()}
+        if passes(trial):
+            held.clear()
+            held.update(trial)
 
 
 def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict) -> None:
     """Make the groups (or lone modules) of the failed modules compute whole."""
-    for fqn, why in failed.items():
+    for fqn, failure in failed.items():
+        why = failure.why
         mine = [g for g in groups if fqn in g.modules]
         for group in mine:
             excluded.update({f: why for f in group.entries if f not in excluded})
