@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import warnings
 
 import torch
@@ -84,10 +85,15 @@ def share(model: nn.Module) -> float:
     return sharded / total if total else 0.0
 
 
-def with_suggest(model: nn.Module, mesh) -> nn.Module:
+def with_suggest(model: nn.Module, mesh, inputs: dict | None = None) -> nn.Module:
+    """``model`` with suggest's plan over ``mesh``: for its default inputs (a transformers
+    model's token ids), or ``inputs`` where it takes others."""
     import tpfn
+    from tpfn.suggest.inputs import defaults
 
-    return tpfn.parallelize(model, mesh, tpfn.suggest(model, mesh.size()), src_rank=None)
+    given = None if defaults(model) is not None else inputs
+    return tpfn.parallelize(model, mesh, tpfn.suggest(model, mesh.size(), example_inputs=given),
+                            src_rank=None)
 
 
 def _run(make, model, mesh, inputs, cotangent, ref, expected) -> dict:
@@ -126,7 +132,8 @@ def outcome(name: str, mesh) -> dict:
     except Exception as e:  # noqa: BLE001 - what fails on one device is the row's note
         found["skip"] = hf_zoo._unbuilt(name, e)
         return found
-    found["suggest"] = _run(with_suggest, model, mesh, inputs, cotangent, ref, expected)
+    found["suggest"] = _run(functools.partial(with_suggest, inputs=inputs), model, mesh, inputs,
+                            cotangent, ref, expected)
     found["planned"] = bool(getattr(model, "tp_plan", None))
     if found["planned"]:
         found["hf"] = _run(hf_zoo.with_tpfn, model, mesh, inputs, cotangent, ref, expected)
@@ -160,7 +167,7 @@ def optimizer_step(name: str, n: int) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, inputs = build(name)
-    ref, tp = copy.deepcopy(model), with_suggest(copy.deepcopy(model), mesh(n))
+    ref, tp = copy.deepcopy(model), with_suggest(copy.deepcopy(model), mesh(n), inputs)
     gen = torch.Generator().manual_seed(2)
     cot = {}
 

@@ -118,7 +118,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
             break
         before = (len(excluded), len(whole))
         failed = {f: attrs.evolve(x, why=tried.get(generalize(x.where), x.why)) for f, x in failed.items()}
-        _blame(failed, groups, excluded, pairs, whole)
+        _blame(failed, groups, excluded, pairs, whole, choices)
         if (len(excluded), len(whole)) == before:
             raise RuntimeError(f"suggest's dry run of {type(model).__name__} on {n} fake ranks fails where "
                                f"nothing is sharded: {next(iter(failed.values())).why}")
@@ -175,11 +175,17 @@ def _fewest(held: dict, passes) -> None:
             held.update(trial)
 
 
-def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict) -> None:
-    """Make the groups (or lone modules) of the failed modules compute whole."""
+def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict, choices: list) -> None:
+    """Make the groups (or lone modules) of the failed modules compute whole; where a module
+    the plan does not bind fails (its input an output of a lone module, written in place),
+    every sharded lone module."""
+    lone = {c.fqn for c in choices if c.style is not None}
     for fqn, failure in failed.items():
         why = failure.why
-        mine = [g for g in groups if fqn in g.modules]
+        mine = [g for g in groups if fqn in g.modules] or [   # or the groups inside it (its sizes held)
+            g for g in groups if any(m.startswith(fqn + ".") or not fqn for m in g.modules)]
+        if fqn not in lone and not mine:
+            whole.update({f: why for f in lone if f not in whole})
         for group in mine:
             excluded.update({f: why for f in group.entries if f not in excluded})
             pairs.setdefault(tuple(sorted(group.entries)), Refused(tuple(sorted(group.entries)),
