@@ -158,7 +158,7 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
-def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tuple:
+def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True) -> tuple:
     """``({fqn: why}, comms)`` of ``plan`` over ``n`` fake ranks against ``flow`` (see the
     module docstring); ``failed`` is empty where every rank computes its share."""
     copy, mesh = hybrid_copy(model), new_fake_mesh(n)
@@ -184,7 +184,7 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow) -> tu
             with record(copy) as comms, hybrid, replay:
                 out = copy(*args, **kwargs)
                 replay.done, hybrid.values = True, False
-                grads = [t.sum() for t in floats(out)]
+                grads = [t.sum() for t in floats(out)] if backward else []
                 try:
                     if grads:
                         torch.autograd.backward(grads)

@@ -61,20 +61,32 @@ def _replicas(names: tuple, first: str | None):
     return prepare_in(*([Replicate()] if first in names else []), kwargs=kwargs, local=True)
 
 
+def _layers(name: str) -> str:
+    """A relative module name with its layer numbers as ``*`` (a name of one part as it is)."""
+    return generalize(name) if "." in name else name
+
+
 def _describe(group, n: int) -> str:
-    """One line on a group: its makers with their heads, its exits."""
-    parent = min((f.rpartition(".")[0] for f in group.entries), key=len)
-    makers = []
+    """One line on a group: its makers with their heads, its exits (named from the module
+    around them all, each layer's once)."""
+    parent = _common([*group.entries, *group.exits])
+    makers = {}
     for fqn, entry in sorted(group.entries.items()):
         heads = group.heads.get(fqn) or ()
         what = (f"{len(entry.parts)} parts of {entry.parts[0]}" if len(set(entry.parts)) == 1 else
                 f"parts of {', '.join(map(str, entry.parts))}" if entry.parts else
                 f"{heads[0]} heads held by groups of {n // heads[0]} ranks" if entry.heads else
                 f"{heads[0]} heads" if heads else f"{entry.width} features")
-        makers.append(f"{_short(fqn, parent)} ({what})")
-    exits = ", ".join(_short(f, parent) for f in group.exits)
+        makers.setdefault(f"{_layers(_short(fqn, parent))} ({what})", None)
+    exits = ", ".join(dict.fromkeys(_layers(_short(f, parent)) for f in group.exits))
+    makers = list(makers)
+    random = ""
+    if group.random:
+        where = ", ".join(sorted({repr(generalize(w)) for w in group.random}))
+        random = (f"; dropout in {where} draws the same mask on every rank's features (in training, "
+                  "tpfn.rng.sharded draws one per rank: docs/training.md)")
     return (f"over {n} ranks: {', '.join(makers)} column-wise; {exits} row-wise, "
-            f"one all-reduce{'s' if len(group.exits) > 1 else ''}")
+            f"{'one all-reduce each' if len(group.exits) > 1 else 'one all-reduce'}{random}")
 
 
 def brief(why: str) -> str:

@@ -46,6 +46,7 @@ class Group:
     partial: dict
     parents: tuple = ()  # ((parent, the inputs several makers read), ...)
     inputs: tuple = ()   # ((module, input name, heads), ...): inputs laid out per head
+    random: tuple = ()   # modules where random numbers (dropout) meet its features
 
     @property
     def modules(self) -> set:
@@ -98,7 +99,8 @@ def decide(flow, n: int) -> tuple:
             owner, _, leaf = name.rpartition(".")
             partial.setdefault(owner, []).append(leaf)
         chosen.append(Group(entries, tuple(exits), heads, {k: tuple(v) for k, v in partial.items()},
-                            _shared(entries, flow), tuple(sorted(spaces.inputs.get(root, ())))))
+                            _shared(entries, flow), tuple(sorted(spaces.inputs.get(root, ()))),
+                            tuple(sorted(spaces.random.get(root, ())))))
     return chosen, refused
 
 

@@ -24,7 +24,7 @@ from tpfn.suggest.hybrid import real
 
 __all__ = ["example", "defaults", "TOKENS"]
 
-TOKENS = 2048  # the longest default sequence
+TOKENS = 512  # the longest default sequence
 _LENGTHS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
             "max_seq_len", "n_ctx")
 

@@ -209,7 +209,8 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     x = ins[0] if ins else None
     if base in _RESHAPES:
         found = [(outs[0], view(first, tuple(x.shape), tuple(outs[0].shape), spaces.units))]
-    elif base in _SAME:
+    elif base in _SAME or torch.Tag.nondeterministic_seeded in func.tags and base not in _FILLS:
+        # a copy, or random numbers of its shape (a dropout mask: drawn per rank, the note says)
         found = [(o, first) if tuple(o.shape) == tuple(x.shape) else (o, plain(o.shape)) for o in outs]
         if any(held_spaces(d) for d, _, _ in items[1:]):  # copy_(dst, src): src's dims
             found = [(o, _broadcast(items, tuple(o.shape), spaces, what)) for o in outs]

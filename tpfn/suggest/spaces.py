@@ -46,6 +46,7 @@ class Spaces:
         self.exits: dict = {}     # space -> {fqn of a linear that contracts it}
         self.partial: dict = {}   # root -> {(owner fqn, parameter name)} whose gradient is partial
         self.inputs: dict = {}    # root -> {(module fqn, input name, heads)} laid out per head
+        self.random: dict = {}    # root -> {module fqn where random numbers meet the features}
         self._made: dict = {}
 
     def _add(self, key, space: Space) -> int:
@@ -87,6 +88,7 @@ class Spaces:
             self._broken.setdefault(ra, self._broken.pop(rb))
         self.partial.setdefault(ra, set()).update(self.partial.pop(rb, set()))
         self.inputs.setdefault(ra, set()).update(self.inputs.pop(rb, set()))
+        self.random.setdefault(ra, set()).update(self.random.pop(rb, set()))
 
     def fail(self, spaces, why: str) -> None:
         """Break the groups of ``spaces`` (the first reason stays)."""

@@ -110,8 +110,8 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
         if failed and _look_for_sizes(failed, groups, meta, held, tried):
             continue
         if not failed and held and not minimized:
-            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, "",
-                                                             _extra(h, groups)), n, args, kwargs, flow)[0])
+            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, "", _extra(
+                h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
         if not failed:

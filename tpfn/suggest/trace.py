@@ -189,6 +189,9 @@ class _Tracer(TorchDispatchMode):
                 self.pending.append(t)  # keep it alive while its id names a parameter
         if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])):
             self.uniforms.update((id(t), t) for t in tensors(out))
+        if touched and torch.Tag.nondeterministic_seeded in func.tags:
+            for space in set().union(*(held_spaces(self.dims(t)) for t in ins)):
+                self.spaces.random.setdefault(self.spaces.find(space), set()).add(self.where)
         if touched and step(func) is not None:
             self.ops.append(Logged(step(func), self.where, tuple(
                 (tuple(t.shape), self.dims(t)) for t in tensors(out))))
