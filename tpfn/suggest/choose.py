@@ -151,7 +151,7 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     if cost(0, whole) <= cost(m, held):
         def why(f):
             others = ", ".join(repr(g) for g in fqns if g != f)
-            tie = f" with {others}, which shares its weight," if others else ""
+            tie = (f" with {others}, which share{'s' * (len(fqns) == 2)} its weight," if others else "")
             return (f"left whole: sharding it{tie} would move {fmt_bytes(m)} per step to save "
                     f"{fmt_bytes(whole - held)} per rank")
         return [Choice(f, None, why(f)) for f in fqns]
