@@ -233,3 +233,16 @@ def test_heads_split_from_features_and_merged_back_hold_each_ranks_share(b, s, h
     if heads % n == 0:  # a rank holds its heads whole, split or merged back
         assert local_shape(split, n, units) == (b, s, heads // n, d)
         assert local_shape(merged, n, units) == (b, s, heads * d // n)
+
+
+def test_dry_runs_keep_the_values_of_inputs_and_a_meta_value_written_into_one_is_unknown():
+    from tpfn.suggest.hybrid import Hybrid
+
+    weight = torch.empty(4, device="meta")
+    with Hybrid():
+        mask = torch.ones(2, 4, device=weight.device)           # made real: its values are known
+        assert not mask.is_meta and bool(mask.all())
+        filled = torch.zeros(2, 4)
+        filled[0].copy_(weight)                                  # a weight's value written in
+        assert (filled + 1).is_meta and not (mask + 1).is_meta   # ... is unknown from then on
+        assert (mask * weight).is_meta
