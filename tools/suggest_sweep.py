@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
@@ -118,16 +117,11 @@ def summary(found: dict) -> str:
             f"suggest's plan issues no more collectives per step on {fewer} of {len(both)}.")
 
 
-def write_docs(found: dict, command: str) -> None:
-    with open(DOC) as f:
-        text = f.read()
-    block = (f"<!-- table:suggest -->\n{summary(found)} Measured with `{command}`.\n\n"
-             f"{table(found)}\n<!-- /table -->")
-    pattern = r"<!-- table:suggest -->.*?<!-- /table -->"
-    if not re.search(pattern, text, flags=re.S):
-        raise SystemExit("docs/suggest.md has no place for the table")
-    with open(DOC, "w") as f:
-        f.write(re.sub(pattern, lambda _: block, text, flags=re.S))
+def write_docs(found: dict, command: str, seconds: float) -> None:
+    from tests import hf_zoo
+
+    hf_zoo.rewrite(DOC, "suggest", f"{summary(found)} Measured with `{command}` ({seconds / 60:.0f} "
+                                   f"minutes on 2 cores shared with other work).\n\n{table(found)}")
 
 
 def main() -> None:
@@ -149,12 +143,13 @@ def main() -> None:
     found = {n: (two[n], four.get(n)) for n in names}
     print(table(found), end="\n\n")
     print(summary(found))
-    print(f"{time.perf_counter() - start:.0f} s for {len(names)} model types")
+    seconds = time.perf_counter() - start
+    print(f"{seconds:.0f} s for {len(names)} model types")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)
     if args.docs:
-        write_docs(found, "python tools/suggest_sweep.py --docs")
+        write_docs(found, "python tools/suggest_sweep.py --docs", seconds)
         print(f"rewrote {DOC}")
 
 

@@ -25,14 +25,11 @@ True
 
 from __future__ import annotations
 
-import copy
-import itertools
-
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, parameters_of
+from tpfn._torch import TorchDispatchMode, grouped_mm_op
+from tpfn.dryrun.explain import meta_copy
 
 __all__ = ["Hybrid", "hybrid_copy", "real"]
 
@@ -42,22 +39,7 @@ _GROUPED_MM = grouped_mm_op()
 def hybrid_copy(module: nn.Module) -> nn.Module:
     """A deep copy whose parameters are meta tensors (ties kept) and whose buffers and tensor
     attributes are CPU copies (meta ones stay meta)."""
-    memo: dict = {}
-    for _, sub in module.named_modules():
-        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
-                                           vars(sub).items()):
-            if not isinstance(value, torch.Tensor) or id(value) in memo:
-                continue
-            if isinstance(value, DTensor):
-                raise ValueError(f"{name!r} is already a DTensor: suggest takes the module as it is "
-                                 "before parallelize.")
-            if isinstance(value, nn.Parameter) or value.is_meta:
-                meta = torch.empty_like(value, device="meta")
-                memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
-                    value, nn.Parameter) else meta
-            else:
-                memo[id(value)] = value.detach().to("cpu", copy=True)
-    return copy.deepcopy(module, memo)
+    return meta_copy(module, values=True, who="suggest")
 
 
 def real(x):
