@@ -538,3 +538,17 @@ def table(found: list) -> str:
         cells = [c.replace("|", "\\|").replace("\n", " ") for c in row(f)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def rewrite(path: str, marker: str, body: str) -> None:
+    """Put ``body`` between ``<!-- table:marker -->`` and ``<!-- /table -->`` in the page at
+    ``path`` (the sweeps' tables)."""
+    import re
+
+    with open(path) as f:
+        text = f.read()
+    pattern = rf"<!-- table:{marker} -->.*?<!-- /table -->"
+    if not re.search(pattern, text, flags=re.S):
+        raise SystemExit(f"{path} has no place for the {marker} table")
+    with open(path, "w") as f:
+        f.write(re.sub(pattern, lambda _: f"<!-- table:{marker} -->\n{body}\n<!-- /table -->", text, flags=re.S))

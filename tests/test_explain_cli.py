@@ -280,7 +280,8 @@ def test_the_package_ships_its_subpackages_and_types():
     assert config["tool"]["setuptools"]["package-data"] == {"tpfn": ["py.typed"]}
     assert (ROOT / "tpfn" / "py.typed").is_file()
     subpackages = {p.parent.name for p in (ROOT / "tpfn").glob("*/__init__.py")}
-    assert subpackages == {"adapters", "dryrun", "interpret", "kernels", "plans", "style", "training"}
+    assert subpackages == {"adapters", "dryrun", "interpret", "kernels", "plans", "style", "suggest",
+                           "training"}
     project = config["project"]
     assert "torch>=2.13,<2.15" in project["dependencies"]  # private torch APIs: checked on 2.13, 2.14
     assert "urls" not in project and "Typing :: Typed" in project["classifiers"]
@@ -413,3 +414,42 @@ def test_wide_at_any_width_wraps_between_words_never_inside_one(capsys):
         wrapped = capsys.readouterr().out
         assert _words(wrapped) <= _words(whole), _words(wrapped) - _words(whole)
         assert max(map(len, wrapped.splitlines())) <= max(int(width), 70)
+
+
+def _checkpoints(tmp_path):
+    """A tiny OPT (no plan of its own) saved with its weights, and a tiny Llama's config."""
+    from transformers import LlamaConfig, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                   num_attention_heads=4, word_embed_proj_dim=32,
+                                   max_position_embeddings=64))
+    opt.save_pretrained(tmp_path / "opt")
+    llama = tmp_path / "llama.json"
+    llama.write_text(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2).to_json_string())
+    return opt, str(tmp_path / "opt"), str(llama)
+
+
+def test_suggest_prints_the_plan_of_a_checkpoint_or_a_config_as_code(tmp_path, capsys):
+    opt, folder, config = _checkpoints(tmp_path)
+    assert main(["suggest", folder, "--world-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert eval(printed, {n: getattr(tpfn, n) for n in tpfn.__all__}) == tpfn.suggest(opt, 2)
+    assert printed.startswith("plan({\n    # tpfn.suggest over 2 ranks:")
+    assert main(["suggest", config, "--world-size", "4"]) == 0
+    assert "'model.layers.*.mlp.gate_proj': colwise()," in capsys.readouterr().out
+    assert main(["suggest", "tests.test_explain_cli:mlp", "--world-size", "2"]) == 1
+    assert capsys.readouterr().err.startswith("tpfn suggest: suggest runs one forward of Sequential")
+
+
+def test_explain_and_verify_take_a_checkpoint_with_its_plan_or_suggests(tmp_path, capsys):
+    _, folder, config = _checkpoints(tmp_path)
+    assert main(["explain", config, "--world-size", "2", "--input", "1,8", "--width", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"model\.layers\.\*\.self_attn\.q_proj \(Linear\) x2 +colwise\(\) ", out)  # its own plan
+    assert main(["explain", folder, "--world-size", "2", "--input", "1,8", "--width", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"model\.decoder\.layers\.\*\.fc1 \(Linear\) x2 +colwise\(\) ", out)  # suggest's
+    assert main(["verify", folder, "--input", "1,8"]) == 0, capsys.readouterr()

@@ -295,3 +295,40 @@ def test_a_conflict_names_override_with_the_right_hand_rule():
     with pytest.raises(PlanError) as info:
         plan({"mlp": {"w1": colwise()}, "mlp.w1": rowwise()})
     assert info.value.problems == ["'mlp.w1' is bound to colwise() and to rowwise()"]
+
+
+notes = st.dictionaries(st.one_of(st.none(), patterns),
+                        st.text(st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1,
+                                max_size=300).filter(str.strip), max_size=4)
+
+
+@given(plans, notes)
+def test_notes_print_as_comments_and_are_no_part_of_the_value(p, said):
+    noted = p.noted(said)
+    assert noted == p and hash(noted) == hash(p)
+    text = repr(noted)
+    assert eval(text, NAMESPACE) == p
+    if said:
+        assert text.startswith("plan({\n") and text.endswith("})")
+        assert all(len(line) <= 100 for line in text.splitlines() if line.lstrip().startswith("#"))
+
+
+def test_a_note_prints_above_its_rule_and_a_note_without_a_rule_after_the_rules():
+    p = plan({"mlp.up": colwise(), "mlp.down": rowwise()}, notes={
+        None: "why the plan is what it is", "mlp.up": "64 features\nof 2 parts", "norm": "replicated"})
+    assert repr(p) == """plan({
+    # why the plan is what it is
+    'mlp.down': rowwise(),
+    # 64 features
+    # of 2 parts
+    'mlp.up': colwise(),
+    # 'norm': replicated
+})"""
+    assert (p | {"w": colwise()}).notes == p.notes
+    assert dict(p.override(plan({"mlp.up": rowwise()}, notes={"mlp.up": "now"})).notes)["mlp.up"] == "now"
+    assert "mlp.up" not in dict(p.without("mlp.up").notes)
+    assert dict(p.under("block").notes) == {None: "why the plan is what it is",
+                                            "block.mlp.up": "64 features\nof 2 parts",
+                                            "block.norm": "replicated"}
+    with pytest.raises(TypeError, match=r"plan notes\['w'\] must be a non-empty str"):
+        plan({"w": colwise()}, notes={"w": ""})

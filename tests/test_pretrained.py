@@ -21,6 +21,7 @@ from transformers import (
 )
 
 import tpfn
+from tests import hf_zoo
 from tests.models import rel_err
 from tests.ranks import mesh
 from tpfn import (
@@ -68,7 +69,7 @@ def full(t):
 def _round_trip(path, out, shard, packed, tied):
     m = mesh(2)
     rank = torch.distributed.get_rank()
-    plan = packed_phi3_plan(path) if packed else None
+    plan = packed_phi3_plan(path) if packed else "auto"
     model = from_pretrained(path, m, plan=plan)
     ref = AutoModelForCausalLM.from_pretrained(path)  # transformers, one device
     found = {"meta": [n for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -100,7 +101,7 @@ def _round_trip(path, out, shard, packed, tied):
     # load_pretrained into a model built by hand, converting to bfloat16 on the way in
     with empty_weights():
         hand = type(ref)(AutoConfig.from_pretrained(path))
-    tpfn.parallelize(hand, m, plan or tpfn.from_hf(hand.tp_plan, hand), src_rank=None)
+    tpfn.parallelize(hand, m, plan if packed else tpfn.from_hf(hand.tp_plan, hand), src_rank=None)
     load_pretrained(hand, path, dtype=torch.bfloat16)
     found["bf16"] = [n for n, p in hand.named_parameters()
                      if p.dtype != torch.bfloat16 or not torch.equal(full(p), refs[n].bfloat16())]
@@ -169,6 +170,59 @@ def test_transformers_per_expert_mixtral_loads_fused_and_matches_one_device(rank
         assert found["weights"] == [] and found["logits"] <= TOL, found
         assert "Replicate" not in "".join(found["placements"]), found  # sharded, read in slices
         assert found["local"] != (4, 32, 32), found
+
+
+def _without_a_plan(path):
+    import logging
+
+    m = mesh(2)
+    seen = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append((record.levelname, record.getMessage()))
+    logger, level = logging.getLogger("tpfn"), logging.getLogger("tpfn").level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = from_pretrained(path, m)
+        whole = from_pretrained(path, m, plan=None)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    refs = dict(ref.named_parameters())
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (2, 8))
+    logits, expected = model(ids).logits, ref(ids).logits
+    logits.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    floor = hf_zoo._floor(ref)  # a key's bias: a zero gradient under softmax, up to rounding
+    return {"logged": seen,
+            "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
+                              and not p.placements[0].is_replicate()),
+            "weights": [n for n, p in model.named_parameters() if not torch.equal(full(p), refs[n])],
+            "logits": rel_err(logits, expected),
+            "grads": max(hf_zoo._error(p.grad, refs[n].grad, floor) for n, p in model.named_parameters()),
+            "whole": [n for n, p in whole.named_parameters() if isinstance(p, DTensor)]}
+
+
+def test_a_model_without_a_plan_loads_with_suggests_plan_logged(ranks2, tmp_path):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                   num_attention_heads=4, word_embed_proj_dim=32,
+                                   max_position_embeddings=64))
+    assert not opt.tp_plan
+    path = str(tmp_path / "opt")
+    opt.save_pretrained(path)
+    for found in ranks2.run(_without_a_plan, path):
+        assert found["weights"] == [] and found["logits"] <= TOL and found["grads"] <= TOL, found
+        assert "model.decoder.layers.0.fc1.weight" in found["sharded"], found["sharded"]
+        (level, message), (whole_level, whole_message) = found["logged"]
+        assert level == "INFO" and message.startswith(
+            "OPTForCausalLM declares no tensor-parallel plan; tpfn.suggest's shards its parameters:\nplan({")
+        assert whole_level == "WARNING" and found["whole"] == []
+        assert whole_message == "from_pretrained(plan=None): every rank holds and computes the whole OPTForCausalLM"
 
 
 # --- bad input --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import sys
 import time
 
@@ -61,15 +60,7 @@ def summary(found: list) -> str:
 def write_docs(found: list, command: str) -> None:
     from tests import hf_zoo
 
-    with open(DOC) as f:
-        text = f.read()
-    block = (f"<!-- table:architectures -->\n{summary(found)} Measured with `{command}`.\n\n"
-             f"{hf_zoo.table(found)}\n<!-- /table -->")
-    pattern = r"<!-- table:architectures -->.*?<!-- /table -->"
-    if not re.search(pattern, text, flags=re.S):
-        raise SystemExit("docs/huggingface.md has no place for the architectures table")
-    with open(DOC, "w") as f:
-        f.write(re.sub(pattern, lambda _: block, text, flags=re.S))
+    hf_zoo.rewrite(DOC, "architectures", f"{summary(found)} Measured with `{command}`.\n\n{hf_zoo.table(found)}")
 
 
 def main() -> None:

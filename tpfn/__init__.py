@@ -21,6 +21,7 @@ from tpfn.plans.plan import Plan, plan, resolve
 from tpfn.style.constructors import (colwise, identity, on_shards, params, per_rank, prepare_in,
                                      prepare_out, replicate, rowwise, sequence_parallel)
 from tpfn.style.style import Style
+from tpfn.suggest.suggest import suggest
 from tpfn.training.clip import clip_grad_norm_
 from tpfn.training.hf import causal_lm_loss, for_accelerate
 from tpfn.training.loss import cross_entropy
@@ -41,6 +42,6 @@ __all__ = [
     "cross_entropy", "causal_lm_loss", "clip_grad_norm_", "param_groups", "for_accelerate",
     "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError", "from_hf",
     "with_lora",
-    "explain", "Report", "verify",
+    "explain", "Report", "verify", "suggest",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "record", "rng", "trace"]

@@ -10,7 +10,7 @@ import difflib
 import re
 from fnmatch import fnmatchcase
 
-__all__ = ["join", "generalize", "matches", "describe", "near"]
+__all__ = ["join", "generalize", "matches", "spell", "describe", "near"]
 
 
 def join(*names: str) -> str:
@@ -29,6 +29,26 @@ def matches(pattern: str, fqn: str) -> bool:
         return not fqn
     parts, names = pattern.split("."), fqn.split(".") if fqn else []
     return len(parts) == len(names) and all(map(fnmatchcase, names, parts))
+
+
+def spell(values: dict, fqns) -> dict:
+    """``{pattern: value}`` for ``{fqn: value}``: one generic pattern where it names exactly
+    the modules (of ``fqns``, every module's name) that share a value, the names elsewhere
+    (and for top-level children).
+
+    >>> spell({"layers.0.w": 1, "layers.1.w": 1, "out": 2}, ["layers.0.w", "layers.1.w", "out"])
+    {'layers.*.w': 1, 'out': 2}
+    """
+    groups: dict = {}
+    for fqn, value in values.items():
+        groups.setdefault((generalize(fqn), value), []).append(fqn)
+    entries = {}
+    for (pattern, value), named in groups.items():
+        if not pattern.startswith("*") and sorted(f for f in fqns if matches(pattern, f)) == sorted(named):
+            entries[pattern] = value
+        else:
+            entries.update(dict.fromkeys(named, value))
+    return entries
 
 
 def describe(module, fqn: str) -> str:

@@ -403,6 +403,19 @@ def node_type(function: type) -> type:
 # --- ops and functional collectives --------------------------------------------------------
 
 
+def grouped_mm_op():
+    """ATen's grouped matrix product (transformers' fused experts), or None in a torch without it."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    return getattr(packet, "default", None)
+
+
+def functional_overload(op):
+    """The out-of-place overload of an in-place ATen op (``add_.Tensor`` -> ``add.Tensor``), or None."""
+    name = op.overloadpacket.__name__
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
 def argument_names(op) -> tuple:
     """The names of an ATen/c10d op overload's arguments, in schema order (to read its call's
     ``args`` by name)."""
@@ -477,7 +490,7 @@ def fake_ranks(mesh) -> bool:
 
 __all__ += [
     "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
-    "node_type", "argument_names", "all_reduced", "parameters_of",
+    "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
 
 

@@ -1,10 +1,14 @@
 """The command line: ``tpfn explain MODEL PLAN --world-size N --input SHAPE``, and
 ``tpfn verify MODEL PLAN --world-size N --input SHAPE`` (the plan run on N real ranks and
-compared with one device; exit status 0 when every number agrees, else 1, the report printed).
+compared with one device; exit status 0 when every number agrees, else 1, the report printed);
+``tpfn suggest MODEL --world-size N`` prints the plan ``tpfn.suggest`` derives, as code.
 
 MODEL and PLAN are import paths, package.module:name (or package.module.name), or a file and
 a name in it, path/to/model.py:GPT: a module or a plan, or a function that returns one when
-called without arguments. Each --input is [NAME=]SHAPE[:DTYPE][:grad]: comma-separated sizes
+called without arguments. MODEL may also be a Hugging Face checkpoint folder or a config
+(a .json file): the model is built from its config (explain and suggest: on meta, no weights;
+verify: with the checkpoint's weights, or seeded random ones from a config), and PLAN, when
+left out, is the model's own plan (``tpfn.from_hf``), else ``tpfn.suggest``'s. Each --input is [NAME=]SHAPE[:DTYPE][:grad]: comma-separated sizes
 (a name is a symbol, --input b,s, whose stand-in value --size s=16 may set), a keyword
 input's name (--input input_ids=1,256), the input's own dtype (8,16:float32; --dtype for the
 others) and grad for an input that needs a gradient (8,16:float32:grad), whose gradient's
@@ -125,6 +129,47 @@ def _load(path: str, what: str, traceback: bool = False):
     return value
 
 
+def _transformers_model(path: str, weights: bool):
+    """The model of a Hugging Face checkpoint folder or config file (None: ``path`` is neither):
+    on meta without ``weights``; else the checkpoint's weights, or seeded random ones."""
+    folder = os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+    if not (folder or path.endswith(".json") and os.path.isfile(path)):
+        return None
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from tpfn.training.pretrained import build, empty_weights
+
+    if folder:
+        config = AutoConfig.from_pretrained(path)
+    else:
+        with open(path) as f:
+            found = json.load(f)
+        if "model_type" not in found:
+            raise argparse.ArgumentTypeError(f"the config {path!r} names no model_type")
+        config = AutoConfig.for_model(**found)
+    if weights and folder and any(name.endswith(".safetensors") or name.endswith(".bin")
+                                  for name in os.listdir(path)):
+        for auto in (AutoModelForCausalLM, AutoModel):
+            try:
+                return auto.from_pretrained(path).eval()
+            except ValueError:
+                continue
+    if weights:
+        torch.manual_seed(0)
+        return build(config).eval()
+    with empty_weights():
+        return build(config).eval()
+
+
+def _default_plan(model: nn.Module, world_size: int, inputs):
+    """The model's own plan, else ``tpfn.suggest``'s (``inputs``: its example inputs)."""
+    import tpfn
+
+    if getattr(model, "tp_plan", None):
+        return tpfn.from_hf(model.tp_plan, model)
+    return tpfn.suggest(model, world_size, example_inputs=inputs)
+
+
 def _size(text: str):
     text = text.strip()
     if text.isdigit():
@@ -193,9 +238,11 @@ def _model_plan_inputs(parser, shapes: str, world_size: dict) -> None:
     """The arguments explain and verify share: MODEL, PLAN, --world-size (its ``add_argument``
     options ``world_size``), --input (examples: ``shapes``), --dtype."""
     parser.add_argument("model", help="import path (package.module:name) or file (path/model.py:name) "
-                        "of a module, or of a function returning one")
-    parser.add_argument("plan", help="import path or file of a plan (dict, plan(), style) or a "
-                        "function returning one")
+                        "of a module, or of a function returning one; or a Hugging Face checkpoint "
+                        "folder or config (.json)")
+    parser.add_argument("plan", nargs="?", help="import path or file of a plan (dict, plan(), style) "
+                        "or a function returning one (default: the model's own plan, else "
+                        "tpfn.suggest's)")
     parser.add_argument("--world-size", **world_size)
     parser.add_argument("--input", action="append", type=_input, default=[],
                         metavar="[NAME=]SHAPE[:DTYPE][:grad]", help=f"an input: {shapes}; "
@@ -237,7 +284,22 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=0, help="seed of the random inputs (0)")
     v.add_argument("--width", type=_width, metavar="N",
                    help=f"columns of the report (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
-    for command in (p, v):
+    g = commands.add_parser("suggest", help="print the plan tpfn.suggest derives for a model",
+                            description="Derive a tensor-parallel plan for MODEL from its structure and "
+                            "one dry run on fake ranks (tpfn.suggest), and print it as the code that "
+                            "builds it, each rule with a comment that says why.",
+                            epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
+    g.add_argument("model", help="a Hugging Face checkpoint folder or config (.json), or the import "
+                   "path or file of a module (package.module:name, path/model.py:name)")
+    g.add_argument("--world-size", type=int, default=2, help="ranks (2)")
+    g.add_argument("--input", action="append", type=_input, default=[],
+                   metavar="[NAME=]SHAPE[:DTYPE][:grad]", help="an input (default for a transformers "
+                   "model: one sequence of token ids)")
+    g.add_argument("--dtype", type=_dtype, default=torch.int64, help="dtype of the inputs that give none "
+                   "(int64)")
+    g.add_argument("--loss-parallel", action="store_true", help="leave the head's logits sharded, for "
+                   "tpfn.cross_entropy")
+    for command in (p, v, g):
         command.add_argument("--traceback", action="store_true",
                              help="on an error, the Python traceback down to the line that failed")
         command.set_defaults(command_parser=command)
@@ -350,6 +412,21 @@ def _problems(prefix: str, error: Exception, width: int | None) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+def _suggest(args, model) -> int:
+    import tpfn
+
+    inputs = _arrange(args.command_parser.error, model, _inputs(args))
+    try:
+        found = tpfn.suggest(model, args.world_size, example_inputs=inputs, loss_parallel=args.loss_parallel)
+    except (PlanError, ValueError, TypeError, RuntimeError) as e:
+        if args.traceback:
+            raise
+        print(f"tpfn suggest: {e}", file=sys.stderr)
+        return 1
+    print(found)
+    return 0
+
+
 def main(argv=None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); the exit status.
 
@@ -366,14 +443,25 @@ def main(argv=None) -> int:
     if getattr(args, "baseline", None) is not None and not args.html:
         usage("--baseline sets two plans side by side in the HTML page: give --html FILE too")
     try:
-        model = _load(args.model, "model", args.traceback)
-        plan = _load(args.plan, "plan", args.traceback)
+        model = _transformers_model(args.model, args.command == "verify")
+        model = _load(args.model, "model", args.traceback) if model is None else model
+        plan = None if getattr(args, "plan", None) is None else _load(args.plan, "plan", args.traceback)
         baseline = None if getattr(args, "baseline", None) is None else _load(
             args.baseline, "baseline plan", args.traceback)
     except argparse.ArgumentTypeError as e:
         usage(str(e))
     if not isinstance(model, nn.Module):
         usage(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
+    if args.command == "suggest":
+        return _suggest(args, model)
+    if plan is None:
+        try:
+            plan = _default_plan(model, args.world_size, _arrange(usage, model, _inputs(args)))
+        except (PlanError, ValueError, TypeError, RuntimeError) as e:
+            if args.traceback:
+                raise
+            _problems(f"tpfn {args.command}: ", e, _columns(args))
+            return 1
     if args.command == "verify":
         return _verify(args, model, plan)
     inputs = _arrange(usage, model, _inputs(args))

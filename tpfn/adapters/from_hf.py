@@ -37,7 +37,7 @@ import collections
 
 import torch.nn as nn
 
-from tpfn._fqn import generalize, join, matches
+from tpfn._fqn import generalize, join, spell
 from tpfn.adapters.lora import is_lora, with_lora
 from tpfn.errors import PlanError
 from tpfn.layout import Partial, Replicate, Shard
@@ -229,22 +229,6 @@ def _kv_heads(fqn: str, modules: dict, model: nn.Module) -> int | None:
     return kv if isinstance(child, nn.Linear) and child.out_features == kv * size else None
 
 
-def _spell(styles: dict, modules: dict) -> dict:
-    """Plan entries for ``{fqn: style}``: one generic pattern where it matches exactly the
-    modules that share a style, the module names elsewhere (and for top-level children)."""
-    groups: dict = {}
-    for fqn, style in styles.items():
-        groups.setdefault((generalize(fqn), style), []).append(fqn)
-    entries = {}
-    for (pattern, style), fqns in groups.items():
-        if not pattern.startswith("*") and \
-                sorted(f for f in modules if matches(pattern, f)) == sorted(fqns):
-            entries[pattern] = style
-        else:
-            entries.update(dict.fromkeys(fqns, style))
-    return entries
-
-
 def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
     """The tpfn plan of a ``transformers`` tensor-parallel plan on ``model``.
 
@@ -326,4 +310,4 @@ def from_hf(tp_plan: dict, model: nn.Module) -> Plan:
     for parent, heads in {f.rpartition(".")[0]: h for f, h in kv.items()}.items():
         if type(vars(modules[parent]).get(_GROUPS)) is int:  # their query heads: the rank's share
             styles[parent] = styles.get(parent, identity()) >> per_rank(_GROUPS, per_head=heads)
-    return with_lora(plan(_spell(styles, modules)), model)
+    return with_lora(plan(spell(styles, modules)), model)

@@ -50,11 +50,13 @@ from tpfn.plans.mount import local_sizes
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
 
-__all__ = ["explain", "ExampleInput"]
+__all__ = ["explain", "ExampleInput", "meta_copy"]
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept)."""
+def meta_copy(module: nn.Module, *, values: bool = False, who: str = "explain") -> nn.Module:
+    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept);
+    ``values``: its buffers and tensor attributes real, copied to the CPU (meta ones stay meta).
+    ``who``: the caller, for the error a DTensor raises."""
     memo: dict = {}
     for fqn, sub in module.named_modules():
         for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
@@ -63,8 +65,11 @@ def _meta_copy(module: nn.Module) -> nn.Module:
                 continue
             if isinstance(value, DTensor):
                 raise ValueError(
-                    f"{join(fqn, name)!r} is already a DTensor: explain takes the module as it is "
+                    f"{join(fqn, name)!r} is already a DTensor: {who} takes the module as it is "
                     "before parallelize (build it on the meta device if it is big).")
+            if values and not isinstance(value, nn.Parameter) and not value.is_meta:
+                memo[id(value)] = value.detach().to("cpu", copy=True)
+                continue
             meta = torch.empty_like(value, device="meta")
             memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
                 value, nn.Parameter) else meta
@@ -269,7 +274,7 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
 
 def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
     """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
-    model, mesh = _meta_copy(module), new_fake_mesh(n)
+    model, mesh = meta_copy(module), new_fake_mesh(n)
     try:
         return _report(model, mesh, plan, n, shown, args, kwargs, values, options)
     finally:

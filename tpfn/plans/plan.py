@@ -38,6 +38,21 @@ style of primitives (``tpfn.plans.kinds``). Its rows come before the class's own
 >>> plan({"mlp.up": colwise()}).kind(nn.Linear, colwise=gated)
 plan({'mlp.up': colwise()}, kinds={Linear: {'colwise': gated}})
 
+A plan may carry notes, printed as comments: one above the rule of its pattern, one for a
+pattern without a rule (a module left as it is) after the rules, and one for the whole plan
+(``None``) first. Notes say why; they are no part of the value (``eval`` of the printed plan
+equals it) and follow its rules through ``|``, ``override``, ``without`` and ``under``.
+
+>>> plan({"mlp.up": colwise(), "mlp.down": rowwise()}).noted({
+...     None: "a Megatron pair", "mlp.up": "64 features", "norm": "left replicated"})
+plan({
+    # a Megatron pair
+    'mlp.down': rowwise(),
+    # 64 features
+    'mlp.up': colwise(),
+    # 'norm': left replicated
+})
+
 ``resolve(plan, module)`` returns what ``parallelize`` mounts, a ``Mount`` per bound module
 in module order, or raises one ``PlanError`` that lists every pattern matching nothing (with
 near misses), every module bound to two styles and every style its module cannot take.
@@ -46,6 +61,7 @@ near misses), every module bound to two styles and every style its module cannot
 from __future__ import annotations
 
 import difflib
+import textwrap
 
 import attrs
 import torch.nn as nn
@@ -62,6 +78,8 @@ __all__ = ["Plan", "plan", "as_plan", "resolve"]
 
 # The widest plan printed on one line (a plan of a few rules, as in from_torch's doctest).
 WIDTH = 100
+# The widest comment line of a plan's notes.
+NOTE_WIDTH = 96
 
 
 def _check_pattern(pattern) -> str:
@@ -171,13 +189,50 @@ def _merge_kinds(a: tuple, b: tuple, conflicts: list | None) -> tuple:
     return tuple((kind, tuple(sorted(rows.items()))) for kind, rows in merged.items())
 
 
+def _notes(mapping) -> tuple:
+    """``((pattern or None, text), ...)`` from ``{pattern or None: text}``, each checked."""
+    if isinstance(mapping, tuple):
+        return mapping
+    if not isinstance(mapping, dict):
+        raise TypeError(f"plan notes must be a dict of pattern (or None: the whole plan) -> text "
+                        f"(got {mapping!r} that is a {type(mapping)!r}).")
+    for key, text in mapping.items():
+        if key is not None:
+            _check_pattern(key)
+        if not isinstance(text, str) or not text.strip():
+            raise TypeError(f"plan notes[{key!r}] must be a non-empty str (got {text!r}).")
+    return tuple(sorted(mapping.items(), key=lambda kv: (kv[0] is not None, kv[0] or "")))
+
+
+def _merge_notes(a: tuple, b: tuple) -> tuple:
+    """``a``'s notes, then ``b``'s: a pattern noted in both keeps ``b``'s note."""
+    return _notes({**dict(a), **dict(b)})
+
+
+def _comment(text: str, indent: str = "    ") -> str:
+    """``text`` as comment lines, each at most ``NOTE_WIDTH`` wide."""
+    return "".join(f"{indent}# {line}\n" for para in text.splitlines()
+                   for line in textwrap.wrap(para, NOTE_WIDTH - len(indent) - 2, break_on_hyphens=False) or [""])
+
+
 @attrs.frozen(repr=False)
 class Plan:
     """FQN pattern -> style, sorted by pattern; equal by value, hashable. ``kinds``: what the
-    built-ins mean on module kinds of the user's own, for this plan (``kind``)."""
+    built-ins mean on module kinds of the user's own, for this plan (``kind``); ``notes``:
+    comments printed with it, no part of its value (``noted``)."""
 
     rules: tuple = ()
     kinds: tuple = attrs.field(default=(), converter=_kinds)
+    notes: tuple = attrs.field(default=(), converter=_notes, eq=False)
+
+    def noted(self, notes: dict) -> "Plan":
+        """This plan with ``notes`` (pattern, or None for the whole plan -> text) printed as
+        comments; they replace its notes of the same keys.
+
+        >>> plan({"w1": colwise()}).noted({"w1": "sharded"}) == plan({"w1": colwise()})
+        True
+        """
+        return attrs.evolve(self, notes=_merge_notes(self.notes, _notes(notes)))
 
     def __or__(self, other) -> "Plan":
         """Both plans' rules; a pattern bound to two different styles is an error (to
@@ -201,7 +256,7 @@ class Plan:
         """
         other = as_plan(rules)
         return Plan(tuple(sorted({**dict(self.rules), **dict(other.rules)}.items())),
-                    _merge_kinds(self.kinds, other.kinds, None))
+                    _merge_kinds(self.kinds, other.kinds, None), _merge_notes(self.notes, other.notes))
 
     def kind(self, kind: type, **rows) -> "Plan":
         """This plan with ``rows`` (built-in name -> ``row(core, module, where, owned)``)
@@ -212,7 +267,8 @@ class Plan:
         >>> plan({"proj": colwise()}).kind(QuantLinear, colwise=print).kinds[0][0] is QuantLinear
         True
         """
-        return Plan(self.rules, _merge_kinds(self.kinds, _kinds({kind: rows}, "plan.kind"), None))
+        return Plan(self.rules, _merge_kinds(self.kinds, _kinds({kind: rows}, "plan.kind"), None),
+                    self.notes)
 
     def without(self, *patterns: str) -> "Plan":
         """This plan less the rules of ``patterns`` (each exactly as the plan has it); a
@@ -229,11 +285,14 @@ class Plan:
             said = "; ".join(f"no rule has the pattern {p!r}{near(p, rules) or hint}" for p in unknown)
             raise ValueError(f"plan.without({', '.join(map(repr, patterns))}): {said}; give each pattern "
                              "exactly as the plan has it (print(plan) lists them).")
-        return Plan(tuple((p, s) for p, s in self.rules if p not in patterns), self.kinds)
+        return Plan(tuple((p, s) for p, s in self.rules if p not in patterns), self.kinds,
+                    tuple((p, t) for p, t in self.notes if p not in patterns))
 
     def under(self, prefix: str) -> "Plan":
         """This plan nested under ``prefix``: ``plan({"w1": s}).under("mlp") == plan({"mlp.w1": s})``."""
-        return plan({_check_pattern(prefix): self})
+        nested = plan({_check_pattern(prefix): self})
+        return attrs.evolve(nested, notes=_notes({
+            key if key is None else join(prefix, key): text for key, text in self.notes}))
 
     def __repr__(self):
         kinds = ""
@@ -242,9 +301,14 @@ class Plan:
                 f"{_name(kind)}: {{" + ", ".join(f"{core!r}: {_name(row)}" for core, row in rows) + "}"
                 for kind, rows in self.kinds) + "}"
         line = f"plan({dict(self.rules)!r}{kinds})"
-        if len(line) <= WIDTH:
+        if len(line) <= WIDTH and not self.notes:
             return line
-        return "plan({\n" + "".join(f"    {p!r}: {s!r},\n" for p, s in self.rules) + "}" + kinds + ")"
+        notes = dict(self.notes)
+        head = _comment(notes[None]) if None in notes else ""
+        body = "".join((_comment(notes[p]) if p in notes else "") + f"    {p!r}: {s!r},\n" for p, s in self.rules)
+        rules = dict(self.rules)
+        tail = "".join(_comment(f"{p!r}: {t}") for p, t in self.notes if p is not None and p not in rules)
+        return "plan({\n" + head + body + tail + "}" + kinds + ")"
 
 
 def _joined(a: Plan, b: Plan) -> Plan:
@@ -257,7 +321,7 @@ def _joined(a: Plan, b: Plan) -> Plan:
         conflicts = e.problems + conflicts
     if conflicts:
         raise PlanError(conflicts)
-    return Plan(merged, kinds)
+    return Plan(merged, kinds, _merge_notes(a.notes, b.notes))
 
 
 def _nested_kinds(mapping) -> tuple:
@@ -272,9 +336,11 @@ def _nested_kinds(mapping) -> tuple:
     return kinds
 
 
-def plan(mapping: dict | Plan | None = None, *, kinds: dict | None = None) -> Plan:
+def plan(mapping: dict | Plan | None = None, *, kinds: dict | None = None,
+         notes: dict | None = None) -> Plan:
     """The plan of ``mapping`` (pattern -> style or nested plan/dict), with ``kinds``: module
-    class -> ``{built-in: row}``, what the built-ins mean on module kinds of one's own.
+    class -> ``{built-in: row}``, what the built-ins mean on module kinds of one's own; and
+    ``notes``: pattern (None: the whole plan) -> text, printed as comments (``Plan.noted``).
 
     >>> plan({"mlp": {"w1": colwise(), "w2": rowwise()}})
     plan({'mlp.w1': colwise(), 'mlp.w2': rowwise()})
@@ -288,7 +354,8 @@ def plan(mapping: dict | Plan | None = None, *, kinds: dict | None = None) -> Pl
     merged = _merge_kinds(_nested_kinds(mapping), _kinds(kinds or {}), conflicts)
     if conflicts:
         raise PlanError(conflicts)
-    return Plan(_merge(_flatten(mapping)), merged)
+    found = mapping.notes if isinstance(mapping, Plan) else ()
+    return Plan(_merge(_flatten(mapping)), merged, _merge_notes(found, _notes(notes or {})))
 
 
 def as_plan(value, found: list | None = None) -> Plan:

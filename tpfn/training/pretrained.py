@@ -35,6 +35,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import os
 import re
 import weakref
@@ -688,7 +689,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
 
 # -- the one call ---------------------------------------------------------------------------
 
-def _build(config, model_class, dtype):
+def build(config, model_class: type | None = None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The transformers model of ``config``: ``model_class``'s (default: the causal LM, else the
+    base model), in ``dtype`` (default: the config's)."""
     import transformers
 
     kwargs = {} if dtype is None else {"dtype": dtype}
@@ -704,8 +707,25 @@ def _build(config, model_class, dtype):
     return model_class(config)
 
 
+def _auto_plan(model: nn.Module, mesh: DeviceMesh):
+    """The model's own plan (``from_hf``), else ``tpfn.suggest``'s, logged at INFO; a plan that
+    shards nothing is logged at WARNING."""
+    from tpfn.adapters.from_hf import from_hf
+    from tpfn.suggest.suggest import sharded_share, suggest
+
+    if getattr(model, "tp_plan", None):
+        return from_hf(model.tp_plan, model)
+    found = suggest(model, mesh.size())
+    sharded, total = sharded_share(model, found)
+    log.log(logging.INFO if sharded else logging.WARNING,
+            "%s declares no tensor-parallel plan; tpfn.suggest's %s:\n%s", type(model).__name__,
+            "shards its parameters" if sharded else "shards nothing, and every rank holds the whole model",
+            found)
+    return found
+
+
 def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: type | None = None,
-                    plan: Plan | dict | Style | None = None,
+                    plan: Plan | dict | Style | str | None = "auto",
                     dtype: torch.dtype | None = None, progress: bool | None = None) -> nn.Module:
     """The model of the Hugging Face checkpoint directory ``path``, parallelized over the 1-D
     ``mesh``, each rank holding and having read only its slices; in eval mode, as
@@ -714,11 +734,15 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     The model is built from the checkpoint's ``config.json`` inside ``empty_weights()``
     (``model_class``, a transformers model class or auto class, defaults to
     ``AutoModelForCausalLM``, then ``AutoModel``), in ``dtype`` (default: the config's),
-    parallelized with ``plan`` (default: ``tpfn.from_hf(model.tp_plan, model)``) and filled
-    by ``load_pretrained``. tpfn's ``from_pretrained(path, mesh)`` is transformers'
-    ``from_pretrained(path, tp_plan="auto")``. Where ``plan`` leaves the logits sharded over
-    the vocabulary (``lm_head`` ending in ``colwise(local=False)``), ``labels=`` computes the
-    vocabulary-parallel ``tpfn.causal_lm_loss`` on them. ``progress``: ``load_pretrained``'s bar.
+    parallelized with ``plan`` and filled by ``load_pretrained``. ``plan="auto"`` (the
+    default) is the model's own plan, ``tpfn.from_hf(model.tp_plan, model)``, where it declares
+    one, else ``tpfn.suggest(model, mesh.size())``'s, logged at INFO on the ``tpfn`` logger
+    (at WARNING where it shards nothing); ``plan=None`` loads the whole model on every rank,
+    logged at WARNING. tpfn's ``from_pretrained(path, mesh)`` is transformers'
+    ``from_pretrained(path, tp_plan="auto")``, for models without a plan too. Where ``plan``
+    leaves the logits sharded over the vocabulary (``lm_head`` ending in
+    ``colwise(local=False)``), ``labels=`` computes the vocabulary-parallel
+    ``tpfn.causal_lm_loss`` on them. ``progress``: ``load_pretrained``'s bar.
 
     >>> import tempfile
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -733,7 +757,6 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
     """
     from transformers import AutoConfig
 
-    from tpfn.adapters.from_hf import from_hf
     from tpfn.interpret.parallelize import parallelize
     from tpfn.training.hf import set_loss
 
@@ -744,8 +767,15 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
                                 "it first, e.g. with huggingface_hub.snapshot_download.")
     config = AutoConfig.from_pretrained(path)
     with empty_weights():
-        model = _build(config, model_class, dtype)
+        model = build(config, model_class, dtype)
     model.eval()
-    parallelize(model, mesh, from_hf(model.tp_plan, model) if plan is None else plan, src_rank=None)
-    set_loss(model)  # a plan that leaves the logits sharded: labels= computes a vocab-parallel loss
+    if isinstance(plan, str) and plan != "auto":
+        raise ValueError(f"plan={plan!r}: give 'auto' (the model's own plan, else tpfn.suggest's), a "
+                         "plan, or None (the whole model on every rank).")
+    if plan is None:
+        log.warning("from_pretrained(plan=None): every rank holds and computes the whole %s",
+                    type(model).__name__)
+    else:
+        parallelize(model, mesh, _auto_plan(model, mesh) if isinstance(plan, str) else plan, src_rank=None)
+        set_loss(model)  # a plan that leaves the logits sharded: labels= computes a vocab-parallel loss
     return load_pretrained(model, path, progress=progress)

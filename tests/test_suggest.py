@@ -1,0 +1,248 @@
+"""tpfn.suggest: a plan for any module from one traced forward, printed as the code that builds it."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tpfn
+from tests.models import one_step
+from tests.test_style import NAMESPACE
+from tpfn import colwise, plan, rowwise
+from tpfn.suggest.factors import local_shape, plain, tag, view
+
+TOL = 1e-5  # float32 sums in another order (tests/test_parallelize.py's bar for a block)
+
+
+class Attention(nn.Module):
+    """Multi-head attention viewing its heads by ``-1`` (or, ``by_count``, by its global head
+    count, as OPT does; ``"literal"``: by a number written in the code)."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=None, by_count=False):
+        super().__init__()
+        self.heads, self.kv, self.d, self.by_count = heads, kv_heads or heads, dim // heads, by_count
+        self.q = nn.Linear(dim, heads * self.d)
+        self.k = nn.Linear(dim, self.kv * self.d, bias=False)  # a key's bias: zero gradient under softmax
+        self.v = nn.Linear(dim, self.kv * self.d)
+        self.o = nn.Linear(heads * self.d, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.by_count:
+            h = 4 if self.by_count == "literal" else self.heads
+            q, k, v = (p(x).view(b, -1, h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        else:
+            q, k, v = (p(x).view(b, s, -1, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Act(nn.Module):
+    """An activation with a parameter of its own (a learned slope, through softplus)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return F.gelu(x) * F.softplus(self.alpha)
+
+
+class Block(nn.Module):
+    def __init__(self, dim=32, norm_inside=False, **kw):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, **kw)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.act = Act()
+        self.inner = nn.LayerNorm(4 * dim) if norm_inside else nn.Identity()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(self.inner(self.act(self.up(self.norm2(x)))))
+
+
+class Toy(nn.Module):
+    """A small language model: an embedding, blocks, a norm and a head (tied with ``tie``)."""
+
+    def __init__(self, vocab=64, dim=32, layers=2, tie=False, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, **kw) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def rules(p) -> dict:
+    return {k: repr(v) for k, v in p.rules}
+
+
+def notes(p) -> dict:
+    return dict(p.notes)
+
+
+def test_an_mlp_is_one_megatron_pair_and_its_plan_prints_as_the_code_that_builds_it():
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    p = tpfn.suggest(mlp, 2, example_inputs=torch.randn(8, 16))
+    assert p == plan({"0": colwise(), "2": rowwise()})
+    assert eval(repr(p), NAMESPACE) == p
+    assert "    # over 2 ranks: 0 (64 features) column-wise; 2 row-wise, one all-reduce\n    '0': colwise()," \
+        in repr(p)
+    assert repr(p).startswith("plan({\n    # tpfn.suggest over 2 ranks: 1 group sharded, 99% of the parameter")
+
+
+def test_attention_is_sharded_on_the_heads_its_views_make_with_one_replica_for_q_k_v():
+    p = tpfn.suggest(Toy(kv_heads=2), 2, example_inputs=(2, 16))
+    assert rules(p) == {
+        "embed": "colwise() >> prepare_out(Replicate())",
+        "layers.*.attn": "prepare_in(Replicate(), local=True)",
+        "layers.*.attn.k": "colwise()", "layers.*.attn.q": "colwise()", "layers.*.attn.v": "colwise()",
+        "layers.*.attn.o": "rowwise()", "layers.*.up": "colwise()", "layers.*.down": "rowwise()",
+        # its parameter meets the sharded features: each rank's gradient is a partial sum
+        "layers.*.act": "replicate() >> on_shards(param_grads={'alpha': Partial()})"}
+    assert notes(p)["layers.*.attn"] == ("over 2 ranks: k (2 heads), q (4 heads), v (2 heads) column-wise; "
+                                         "o row-wise, one all-reduce")
+    assert notes(p)["head"] == "left whole: sharding it would move 8.0 KiB per step to save 4.0 KiB per rank"
+    assert eval(repr(p), NAMESPACE) == p
+
+
+def test_a_view_by_the_global_head_count_is_caught_op_by_op_and_held_per_rank():
+    """OPT's attention views ``(b, -1, self.num_heads, d)``: on a rank's half of the features that
+    halves the positions instead of the heads, and no shape error follows. The ranks' check
+    sees it, and the head count held per rank (``per_rank``) fixes it."""
+    p = tpfn.suggest(Toy(by_count=True), 2, example_inputs=(2, 16))
+    assert rules(p)["layers.*.attn"] == "prepare_in(Replicate(), local=True) >> per_rank('heads')"
+    literal = tpfn.suggest(Toy(by_count="literal"), 2, example_inputs=(2, 16))
+    assert not any(k.startswith("layers.*.attn") for k in rules(literal))
+    assert notes(literal)["layers.*.attn"] == (
+        "left whole, k, q, v, o: on a rank's shard 'layers.*.attn' computes aten.view.default of shape "
+        "(2, 8, 4, 8) where its share of (2, 16, 4, 8) is (2, 16, 2, 8)")
+
+
+def test_a_norm_over_the_features_between_a_pair_leaves_it_whole_with_the_reason():
+    p = tpfn.suggest(Toy(norm_inside=True), 2, example_inputs=(2, 16))
+    assert "layers.*.up" not in rules(p) and "layers.*.attn.q" in rules(p)
+    assert notes(p)["layers.*.up"] == "left whole: a norm over the sharded features in 'layers.*.inner'"
+
+
+def test_heads_the_ranks_do_not_split_leave_the_attention_whole():
+    p = tpfn.suggest(Toy(), 3, example_inputs=(2, 16))
+    assert rules(p)["layers.*.up"] == "colwise()" and "layers.*.attn.q" not in rules(p)
+    assert notes(p)["layers.*.attn"] == ("left whole, k, q, v, o: 3 ranks do not split 'layers.*.attn.q''s "
+                                         "4 heads into whole heads")
+
+
+def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():
+    few = tpfn.suggest(Toy(tie=True, vocab=4096), 2, example_inputs=(1, 8))
+    assert rules(few)["embed"] == "rowwise()"
+    assert rules(few)["head"] == "colwise() >> prepare_out(Replicate())"
+    assert notes(few)["head"].startswith("column-wise, its output gathered (its weight tied to 'embed'): moves")
+    many = tpfn.suggest(Toy(tie=True), 2, example_inputs=(2, 16))
+    assert "embed" not in rules(many) and "head" not in rules(many)
+    assert notes(many)["embed"] == ("left whole: sharding it with 'head', which shares its weight, would move "
+                                    "12.0 KiB per step to save 4.0 KiB per rank")
+
+
+def test_loss_parallel_leaves_the_logits_sharded_only_where_asked():
+    p = tpfn.suggest(Toy(vocab=4096), 2, example_inputs=(1, 8), loss_parallel=True)
+    assert rules(p)["head"] == "colwise(local=False)"
+    assert rules(tpfn.suggest(Toy(vocab=4096), 2, example_inputs=(1, 8)))["head"] == (
+        "colwise() >> prepare_out(Replicate())")
+
+
+def test_a_module_without_example_inputs_names_them():
+    with pytest.raises(TypeError, match=r"give example_inputs= as tpfn.explain takes them"):
+        tpfn.suggest(Toy(), 2)
+    with pytest.raises(TypeError, match=r"'world_size' must be a positive int"):
+        tpfn.suggest(Toy(), 0, example_inputs=(2, 16))
+
+
+class Masked(nn.Module):
+    """Reads a value its inputs give (whether the mask is all ones), as transformers' masks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x, mask):
+        if not bool(mask.all()):
+            x = x * mask[..., None]
+        return self.down(F.relu(self.up(x)))
+
+
+def test_values_from_the_inputs_are_real_in_the_dry_runs_and_the_model_is_left_as_it_is():
+    model = Masked()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = tpfn.suggest(model, 2, example_inputs={"x": torch.randn(2, 4, 8), "mask": torch.ones(2, 4)})
+    assert rules(p) == {"up": "colwise()", "down": "rowwise()"}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # noqa: SLF001
+
+
+def test_the_plan_of_a_model_is_at_one_devices_numbers_on_two_ranks(ranks2):
+    found = ranks2.run(_one_step)
+    for errors, forward, backward in found:
+        assert max(errors.values()) < TOL, {k: v for k, v in errors.items() if v >= TOL}
+    # forward: the 4 pairs' exits, the embedding's gather; backward: the 4 shared replicas, and
+    # the activations' partial slope gradients, summed at the end in one all-reduce
+    assert found[0][1] == {"all_reduce": 4, "all_gather": 1} and found[0][2] == {"all_reduce": 5}
+
+
+def _one_step():
+    from tests.ranks import mesh
+
+    ref = Toy(kv_heads=2)
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), tpfn.suggest(ref, 2, example_inputs=(2, 16)))
+    x = torch.randint(0, 64, (2, 16))
+    return one_step(_Floats(tp), _Floats(ref), x.float())
+
+
+class _Floats(nn.Module):
+    """A model taking its ids as floats (``one_step`` asks for an input gradient)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x.long()) + 0 * x.sum()
+
+
+@given(st.integers(1, 3), st.integers(1, 5), st.sampled_from([1, 2, 4, 8]), st.integers(1, 4),
+       st.sampled_from([2, 4]))
+def test_heads_split_from_features_and_merged_back_hold_each_ranks_share(b, s, heads, d, n):
+    dims = tag(plain((b, s, heads * d)), 2, 0)
+    units: dict = {}
+    split = view(dims, (b, s, heads * d), (b, s, heads, d), units)
+    merged = view(split, (b, s, heads, d), (b, s, heads * d), units)
+    if heads % n == 0:  # a rank holds its heads whole, split or merged back
+        assert local_shape(split, n, units) == (b, s, heads // n, d)
+        assert local_shape(merged, n, units) == (b, s, heads * d // n)
+
+
+def test_dry_runs_keep_the_values_of_inputs_and_a_meta_value_written_into_one_is_unknown():
+    from tpfn.suggest.hybrid import Hybrid
+
+    weight = torch.empty(4, device="meta")
+    with Hybrid():
+        mask = torch.ones(2, 4, device=weight.device)           # made real: its values are known
+        assert not mask.is_meta and bool(mask.all())
+        filled = torch.zeros(2, 4)
+        filled[0].copy_(weight)                                  # a weight's value written in
+        assert (filled + 1).is_meta and not (mask + 1).is_meta   # ... is unknown from then on
+        assert (mask * weight).is_meta

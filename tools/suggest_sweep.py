@@ -1,0 +1,157 @@
+"""Every text model type transformers builds tiny from its config, with tpfn.suggest's plan,
+on 2 gloo ranks and on 4 where its heads allow: at parity, the share of parameter bytes
+sharded, and the collectives of one step beside from_hf's where the model declares a plan
+(``tests/suggest_zoo.py``).
+
+    python tools/suggest_sweep.py                 # every model type
+    python tools/suggest_sweep.py gpt2 bert       # some of them
+    python tools/suggest_sweep.py --docs          # and rewrite the table in docs/suggest.md
+    python tools/suggest_sweep.py --json out.json # and save every run's errors
+
+Each tiny model is built from its config on every rank, then run on one device, and with
+``tpfn.parallelize(model, mesh, tpfn.suggest(model, n))``: output and every gradient compared
+with one device; where the model declares a plan, ``tpfn.from_hf(model.tp_plan, model)`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT] if ROOT not in sys.path else []
+DOC = os.path.join(ROOT, "docs", "suggest.md")
+BATCH = 8  # model types per call shipped to the ranks
+
+
+def sweep(names: list, ranks, n: int) -> list:
+    """Rank 0's outcome of each model type on ``n`` ranks, ``BATCH`` per call."""
+    from tests import suggest_zoo
+
+    found = []
+    for i in range(0, len(names), BATCH):
+        found += ranks.run(suggest_zoo.outcomes, names[i:i + BATCH], n, timeout=1800)[0]
+        print(f"  {n} ranks: {min(i + BATCH, len(names))}/{len(names)}", file=sys.stderr, flush=True)
+    return found
+
+
+def _cell(found: dict | None) -> str:
+    from tests import suggest_zoo
+
+    if found is None:
+        return "-"
+    return "yes" if suggest_zoo.at_parity(found) else "no"
+
+
+def _collectives(run: dict | None) -> str:
+    if not run or "error" in run:
+        return "-"
+    return str(sum(run["collectives"].values()))
+
+
+def row(two: dict, four: dict | None) -> tuple:
+    """``(model type, plan, parity at 2, parity at 4, sharded, collectives, from_hf's, notes)``."""
+    from tests import hf_zoo, suggest_zoo
+
+    name = f"`{two['name']}`" + (f" ({two['model']})" if two.get("model") else "")
+    mine, theirs = two["suggest"], two.get("hf")
+    notes = []
+    for found, n in ((two, 2), (four, 4)):
+        if found is None:
+            continue
+        run = found["suggest"]
+        if "error" in run:
+            notes.append(f"{n} ranks: {run['error']}")
+        elif not suggest_zoo.at_parity(found):
+            notes.append(f"{n} ranks: off by {hf_zoo.worst(run)}")
+    if theirs is not None and "error" in theirs:
+        notes.append(f"from_hf: {theirs['error']}")
+    if four is None:
+        notes.append(f"{two['heads']} heads: not run on 4 ranks" if two.get("heads") else
+                     "no head count: not run on 4 ranks")
+    share = "-" if "error" in mine else f"{round(100 * mine['share'])}%"
+    return (name, "yes" if two["planned"] else "no", _cell(two), _cell(four), share,
+            _collectives(mine), _collectives(theirs) if two["planned"] else "-", "; ".join(notes))
+
+
+def table(found: dict) -> str:
+    """The markdown table of docs/suggest.md, one row per model type that runs on token ids."""
+    lines = ["| model type | own plan | 2 ranks at parity | 4 ranks at parity | parameter bytes "
+             "sharded (2 ranks) | collectives per step | from_hf's | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, (two, four) in found.items():
+        if two["skip"]:
+            continue
+        cells = [c.replace("|", "\\|").replace("\n", " ") for c in row(two, four)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(found: dict) -> str:
+    """The headline figures: parity with and without a plan, the sharded share, collectives."""
+    from tests import suggest_zoo
+
+    runs = [(two, four) for two, four in found.values() if not two["skip"]]
+    skipped = len(found) - len(runs)
+    plain = [(t, f) for t, f in runs if not t["planned"]]
+    planned = [(t, f) for t, f in runs if t["planned"]]
+
+    def ok(t, f):
+        return suggest_zoo.at_parity(t) and (f is None or suggest_zoo.at_parity(f))
+
+    shares = sorted(t["suggest"]["share"] for t, _ in plain if "error" not in t["suggest"])
+    median = shares[len(shares) // 2] if shares else 0.0
+    mine = sum(ok(t, f) for t, f in planned)
+    theirs = sum(suggest_zoo.at_parity(t, "hf") for t, _ in planned)
+    both = [t for t, f in planned if ok(t, f) and suggest_zoo.at_parity(t, "hf")]
+    fewer = sum(sum(t["suggest"]["collectives"].values()) <= sum(t["hf"]["collectives"].values())
+                for t in both)
+    return (f"{len(found)} model types; {len(runs)} build tiny and run on token ids ({skipped} do not, "
+            f"or take other inputs). Without a plan of their own: {len(plain)}, suggest's plan at "
+            f"parity on {sum(ok(t, f) for t, f in plain)} (on 2 ranks, and on 4 where the heads "
+            f"allow), sharding a median {round(100 * median)}% of the parameter bytes. With one: "
+            f"{len(planned)}, suggest at parity on {mine}, from_hf on {theirs}; where both are, "
+            f"suggest's plan issues no more collectives per step on {fewer} of {len(both)}.")
+
+
+def write_docs(found: dict, command: str, seconds: float) -> None:
+    from tests import hf_zoo
+
+    hf_zoo.rewrite(DOC, "suggest", f"{summary(found)} Measured with `{command}` ({seconds / 60:.0f} "
+                                   f"minutes on 2 cores shared with other work).\n\n{table(found)}")
+
+
+def main() -> None:
+    from tests import suggest_zoo
+    from tests.ranks import Ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="model types (default: every one)")
+    parser.add_argument("--docs", action="store_true", help="rewrite the table of docs/suggest.md")
+    parser.add_argument("--json", metavar="PATH", help="save every run's errors")
+    args = parser.parse_args()
+    names = args.names or suggest_zoo.types()
+    start = time.perf_counter()
+    with Ranks(2, timeout=1800) as ranks:
+        two = {f["name"]: f for f in sweep(names, ranks, 2)}
+    wide = [n for n, f in two.items() if not f["skip"] and f["heads"] and f["heads"] % 4 == 0]
+    with Ranks(4, timeout=1800) as ranks:
+        four = {f["name"]: f for f in sweep(wide, ranks, 4)}
+    found = {n: (two[n], four.get(n)) for n in names}
+    print(table(found), end="\n\n")
+    print(summary(found))
+    seconds = time.perf_counter() - start
+    print(f"{seconds:.0f} s for {len(names)} model types")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1)
+    if args.docs:
+        write_docs(found, "python tools/suggest_sweep.py --docs", seconds)
+        print(f"rewrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()

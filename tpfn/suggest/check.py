@@ -1,0 +1,207 @@
+"""The plan on fake ranks, forward and backward: does each rank compute its share?
+
+``check(model, plan, n, args, kwargs, flow)`` parallelizes a ``hybrid_copy`` of ``model`` over
+``n`` fake ranks and runs one forward and backward seen from rank 0, recording the
+collectives (``tpfn.record``). In the forward, every op on sharded features must be the op
+the traced forward (``flow``) ran there, giving each output its local share: the whole of
+every dim the plan does not shard, ``1/n`` of each sharded space (one head of a space with
+fewer heads than ranks). An attention that views its local features by a global head count
+(``view(b, -1, self.num_heads, d)``) fails here, though no shape error need follow: it
+would be wrong silently.
+
+Returns ``(failed, comms, skipped)``: ``failed`` maps a module to why, for a group that does
+not compute its share one of the modules making its features, for a run that fails the
+innermost module the plan binds around the failure; ``comms``, the collectives of the step;
+``skipped``, why the backward did not run, or None. (A tensor the forward computed from its
+inputs, real, that took a value of the weights in place (``tpfn.suggest.hybrid``) hands
+autograd a gradient on another device: the dry run then checks the forward alone.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import attrs
+import torch
+import torch.nn as nn
+
+from tpfn._fqn import generalize
+from tpfn._torch import TorchDispatchMode
+from tpfn.dryrun.collectives import record
+from tpfn.dryrun.explain import floats
+from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.dryrun.lints import failing_module
+from tpfn.errors import PlanError
+from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.suggest.factors import local_shape, spaces as held_spaces
+from tpfn.suggest.hybrid import Hybrid, hybrid_copy
+from tpfn.suggest.rules import step, tensors
+from tpfn.suggest.trace import kind_of
+
+__all__ = ["check", "Failure"]
+
+LOOKAHEAD = 8  # traced ops a rank's code may skip as identities at its sizes
+SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+             "aten.squeeze.dims", "aten.slice.Tensor", "aten.alias.default"}
+
+
+def ins_numel(args, kwargs, replay) -> int:
+    """The elements of the first input of an op that holds sharded features."""
+    held = [t for t in tensors(args) + tensors(list(kwargs.values())) if replay.dims(t)]
+    return held[0].numel() if held else -1
+
+
+@attrs.frozen
+class Failure:
+    """Why a module's group (or the module) does not compute its share, and the module whose
+    forward went wrong."""
+
+    why: str
+    where: str
+
+
+class _Replay(TorchDispatchMode):
+    """The forward on rank 0, op by op against the traced one."""
+
+    def __init__(self, flow, n: int):
+        super().__init__()
+        self.flow, self.n = flow, n
+        self.held: dict = {}
+        self.ops, self.next = flow.ops, 0
+        self.calls: dict = {}
+        for call in flow.calls:
+            self.calls.setdefault(call.fqn, []).append(call)
+        self.stack: list = []
+        self.inside = 0
+        self.failed: dict = {}
+        self.done = False
+
+    def dims(self, t):
+        found = self.held.get(id(t))
+        return found[1] if found is not None and found[0] is t else None
+
+    def expected(self, dims) -> tuple:
+        return local_shape(dims, self.n, self.flow.spaces.units)
+
+    def fail(self, dims_list, why: str, where: str) -> None:
+        spaces = self.flow.spaces
+        for dims in dims_list:
+            for s in held_spaces(dims):
+                self.failed.setdefault(spaces.spaces[spaces.find(s)].producer, Failure(why, where))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.inside or self.done:
+            return out
+        ins = [d for d in map(self.dims, tensors(args) + tensors(list(kwargs.values()))) if d]
+        if not ins:
+            return out
+        where = self.stack[-1] if self.stack else ""
+        if step(func) is None:  # a copy for its layout: the dims of its input
+            for t in tensors(out):
+                self.held[id(t)] = (t, ins[0])
+            return out
+        seen = self._resync(step(func), where, ins_numel(args, kwargs, self))
+        if seen is None:
+            seen = self.ops[self.next] if self.next < len(self.ops) else None
+            self.fail(ins, f"on a rank's shard {generalize(where) or '<root>'!r} runs {func} where the "
+                      f"whole model runs {seen.op if seen else 'nothing'}: its code takes another path", where)
+            self.done = True
+            return out
+        for t, (shape, dims) in zip(tensors(out), seen.outputs):
+            want = self.expected(dims)
+            if tuple(t.shape) != want:
+                self.fail(ins + [dims], f"on a rank's shard {generalize(where) or '<root>'!r} computes "
+                          f"{func} of shape {tuple(t.shape)} where its share of {shape} is {want}", where)
+            self.held[id(t)] = (t, dims)
+        return out
+
+    def _resync(self, op: str, where: str, numel: int):
+        """The traced op the rank's ``op`` is, where the rank's code skips views and expands
+        that are identities at its share's sizes (a repeat of KV heads by one); None if none."""
+        for k in range(self.next, min(self.next + LOOKAHEAD, len(self.ops))):
+            found = self.ops[k]
+            if found.op == op and found.where == where:
+                skipped = self.ops[self.next:k]
+                if all(e.where == where and e.op in SKIPPABLE and all(
+                        math.prod(self.expected(d)) == numel for _, d in e.outputs) for e in skipped):
+                    self.next = k + 1
+                    return found
+                return None
+        return None
+
+    def pre(self, fqn: str, module: nn.Module):
+        self.stack.append(fqn)
+        if kind_of(module) is not None:
+            self.inside += 1
+
+    def post(self, fqn: str, module: nn.Module, args, kwargs, out):
+        self.stack.pop()
+        if kind_of(module) is None:
+            return
+        self.inside -= 1
+        if self.inside or self.done or not isinstance(out, torch.Tensor) or not self.calls.get(fqn):
+            return
+        call = self.calls[fqn].pop(0)
+        x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        dims = self.dims(x) if isinstance(x, torch.Tensor) else None
+        if call.role == "exit" and dims is not None and tuple(x.shape) != self.expected(dims):
+            self.fail([dims], f"{generalize(fqn)!r} is handed {tuple(x.shape)} where its share "
+                      f"of {call.in_shape} is {self.expected(dims)}", self.stack[-1] if self.stack else "")
+        if call.role == "entry":
+            want = self.expected(call.out_dims)
+            if tuple(out.shape) != want:
+                self.fail([call.out_dims], f"{generalize(fqn)!r} makes {tuple(out.shape)} where its "
+                          f"share of {call.out_shape} is {want}", fqn)
+            self.held[id(out)] = (out, call.out_dims)
+
+
+def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True) -> tuple:
+    """``({fqn: why}, comms)`` of ``plan`` over ``n`` fake ranks against ``flow`` (see the
+    module docstring); ``failed`` is empty where every rank computes its share."""
+    copy, mesh = hybrid_copy(model), new_fake_mesh(n)
+    replay = _Replay(flow, n)
+    comms: list = []
+    skipped = None
+    try:
+        try:
+            parallelize(copy, mesh, plan, src_rank=None)
+        except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
+            named = {m.group(1): Failure(p, m.group(1)) for p in e.problems
+                     for m in [re.match(r"'([^']*)' \(", p)] if m}
+            if not named:
+                raise
+            return named, [], None
+        bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
+        for fqn, module in copy.named_modules():
+            module.register_forward_pre_hook(lambda m, a, fqn=fqn: replay.pre(fqn, m))
+            module.register_forward_hook(lambda m, a, k, o, fqn=fqn: replay.post(fqn, m, a, k, o),
+                                         with_kwargs=True, always_call=True)
+        try:
+            hybrid = Hybrid()
+            with record(copy) as comms, hybrid, replay:
+                out = copy(*args, **kwargs)
+                replay.done, hybrid.values = True, False
+                grads = [t.sum() for t in floats(out)] if backward else []
+                try:
+                    if grads:
+                        torch.autograd.backward(grads)
+                except RuntimeError as e:
+                    if "expected device" not in str(e):
+                        raise
+                    skipped = ("the dry run ran the forward only: a tensor the forward computed "
+                               "from its inputs took a value of its weights in place")
+        except Exception as e:  # noqa: BLE001 - a run that fails: the module it fails in
+            failed = failing_module(e, copy) or ""
+            around = [f for f in bound if f == failed or failed.startswith(f + ".") or not f]
+            inside = [f for f in bound if f.startswith(failed + ".") or not failed]
+            phase = "backward" if replay.done else "forward"
+            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
+                   f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            for fqn in [max(around, key=len)] if around else inside or [failed]:
+                replay.failed.setdefault(fqn, Failure(why, failed))
+    finally:
+        release(mesh)
+    return replay.failed, list(comms), skipped

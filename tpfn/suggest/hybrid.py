@@ -1,0 +1,116 @@
+"""Dry runs that keep the values they can: parameters on meta, inputs and buffers real.
+
+A model's forward often reads values that never depend on its weights: whether a padding
+mask is all ones, whether a pad token ends the ids, where packed sequences start. On meta
+tensors such a read fails. ``hybrid_copy(module)`` copies a module with every parameter on
+meta (no memory, ties kept) and its buffers and tensor attributes real, on the CPU; under
+``Hybrid()`` an op that meets a meta tensor runs on meta (its real arguments moved there), and
+one on real tensors alone computes for real. So the ids, masks and positions a forward
+derives from its inputs keep their values, and everything the weights touch is a shape.
+Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
+A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from then on, and
+counts as meta wherever it is read.
+
+``Hybrid`` also runs ``_grouped_mm`` (transformers' fused experts) on meta in any float dtype:
+its meta kernel checks the dtype a GPU kernel would need.
+
+>>> lin = hybrid_copy(nn.Linear(4, 8))
+>>> lin.weight.is_meta
+True
+>>> with Hybrid():
+...     y = lin(torch.ones(2, 4))
+>>> y.shape, y.is_meta
+(torch.Size([2, 8]), True)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tpfn._torch import TorchDispatchMode, grouped_mm_op
+from tpfn.dryrun.explain import meta_copy
+
+__all__ = ["Hybrid", "hybrid_copy", "real"]
+
+_GROUPED_MM = grouped_mm_op()
+
+
+def hybrid_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters are meta tensors (ties kept) and whose buffers and tensor
+    attributes are CPU copies (meta ones stay meta)."""
+    return meta_copy(module, values=True, who="suggest")
+
+
+def real(x):
+    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.requires_grad:
+        return torch.empty_like(x, device="meta").requires_grad_()
+    return x.detach().to("cpu", copy=True)
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x if x.is_meta else x.to("meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_meta(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+# Ops whose values do not depend on their tensor argument's: made real where it is meta (a mask
+# of ones shaped like the embeddings). Uninitialized ones stay meta: a forward fills them.
+_SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
+
+
+class Hybrid(TorchDispatchMode):
+    """Ops that meet a meta tensor run on meta; the others compute (see the module docstring).
+    ``values``: make new tensors real (True in a forward; the backward's own are meta)."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = True
+        self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
+
+    def _meta(self, t: torch.Tensor) -> bool:
+        return t.is_meta or t.untyped_storage().data_ptr() in self.unknown
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        found = _tensors(args) + _tensors(kwargs)
+        meta = self.values and str(kwargs.get("device")) == "meta" or self.values and (
+            name in _SHAPED and "device" not in kwargs and found and found[0].is_meta)
+        if meta and (not found or name in _SHAPED):  # arange(n, device=x.device), x.new_ones(...)
+            out = func(*args, **{**kwargs, "device": torch.device("cpu")})
+            return out.zero_() if "empty" in name else out
+        if name == "_to_copy" and found and (found[0].is_meta or meta):  # .to(device): stays as it is
+            kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        if any(map(self._meta, found)) and not all(t.is_meta for t in found):
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if first is not None and not first.is_meta and torch.Tag.inplace in func.tags:
+                # a meta value written into a real tensor: what it holds is unknown from now on,
+                # and it counts as meta wherever it is read
+                self.unknown[first.untyped_storage().data_ptr()] = first.untyped_storage()
+                return first
+            args, kwargs = _to_meta(args), _to_meta(kwargs)
+        if func is _GROUPED_MM and found and found[0].is_meta \
+                and found[0].dtype != torch.bfloat16:
+            dtype = found[0].dtype
+            low = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                   for a in args]
+            return func(*low, **kwargs).to(dtype)
+        return func(*args, **kwargs)

@@ -1,0 +1,224 @@
+"""``suggest``: a tensor-parallel plan for any module, from its structure and one dry run.
+
+1. Follow one forward on meta tensors (``follow``): the output features of each linear or
+   embedding that reads a replicated input form a space; ops carry, join or break spaces;
+   a linear contracting a space ends it.
+2. Shard the groups of spaces nothing broke, that end in a row-wise linear, and that the
+   mesh splits into whole heads (``decide``); the makers of the others compute whole, and
+   the trace runs again until no group breaks.
+3. Choose for each remaining linear and embedding (vocabulary-parallel embeddings, the head)
+   the option of least cost (``standalone``).
+4. Run the plan on fake ranks against the trace, op by op (``check``): a group whose ranks
+   would not compute their share (a view by a global head count) computes whole, and so does
+   a module whose run fails.
+   That run is the dry run, forward and backward, with the collectives it issues; the plan is
+   returned with notes that say why.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from tpfn._fqn import generalize, join
+from tpfn.dryrun.units import fmt_bytes
+from tpfn.plans.mount import try_mount
+from tpfn.layout import Shard
+from tpfn.plans.plan import Plan, resolve
+from tpfn.style.constructors import rowwise
+from tpfn.suggest.check import check
+from tpfn.suggest.choose import sequence_parallel, standalone
+from tpfn.suggest.emit import assemble, general, maker
+from tpfn.suggest.groups import Refused, decide
+from tpfn.suggest.hybrid import hybrid_copy
+from tpfn.suggest.inputs import example
+from tpfn.suggest.sizes import candidates, sizes, style
+from tpfn.suggest.trace import follow
+
+__all__ = ["suggest", "sharded_share"]
+
+_REACHES_OUTPUT = "they reach the model's output"
+
+
+def _world_size(world_size) -> int:
+    if world_size is None:
+        return dist.get_world_size() if dist.is_initialized() else 2
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise TypeError(f"'world_size' must be a positive int (got {world_size!r} that is a "
+                        f"{type(world_size)!r}).")
+    return world_size
+
+
+def suggest(model: nn.Module, world_size: int | None = None, example_inputs: object = None, *,
+            loss_parallel: bool = False) -> Plan:
+    """A tensor-parallel plan for ``model`` over ``world_size`` ranks, printed as the code
+    that builds it, each rule with a comment that says why.
+
+    - ``world_size``: the ranks (default: the default group's size, else 2).
+    - ``example_inputs``: as ``tpfn.explain`` takes them; a transformers model defaults to one
+      sequence of token ids. Sizes matter where suggest weighs bytes moved per step against
+      bytes held per rank (``tpfn.suggest.cost``).
+    - ``loss_parallel``: leave the logits of a head that makes the model's output sharded,
+      for ``tpfn.cross_entropy`` (default: gathered, usable as they are).
+
+    What it cannot shard safely stays whole, with the reason in the plan's comments; the
+    plan is dry-run on fake ranks, forward and backward, before it is returned.
+
+    >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    >>> print(tpfn.suggest(mlp, 2, example_inputs=torch.randn(8, 16)))  # doctest: +NORMALIZE_WHITESPACE
+    plan({
+        # tpfn.suggest over 2 ranks: 1 group sharded, 99% of the parameter bytes; per step 1
+        # all_reduce, 512 B per rank
+        # over 2 ranks: 0 (64 features) column-wise; 2 row-wise, one all-reduce
+        '0': colwise(),
+        '2': rowwise(),
+    })
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
+    n = _world_size(world_size)
+    args, kwargs = example(model, example_inputs)
+    meta = hybrid_copy(model)
+    excluded: dict = {}   # maker -> why its group computes whole
+    pairs: dict = {}      # the makers of a pair left whole -> Refused
+    whole: dict = {}      # lone module -> why it computes whole
+    outputs: set = set()  # makers whose features are the model's output
+    held: dict = {}       # module -> {(attribute, how)}: sizes it holds per rank (per_rank)
+    tried: dict = {}      # modules (by pattern) whose sizes were looked for -> why they failed
+    minimized = False
+    while True:
+        flow = follow(meta, args, kwargs, excluded)
+        groups, refused = decide(flow, n)
+        refused = refused or _unmountable(meta, groups)
+        if refused:
+            for r in refused:
+                if r.why == _REACHES_OUTPUT:
+                    outputs.update(r.makers)
+                excluded.update({f: r.why for f in r.makers if f not in excluded})
+                if r.exits or r.why != _REACHES_OUTPUT and any(k == "linear" for k in r.kinds):
+                    pairs.setdefault(r.makers, r)
+            continue
+        used = {f for g in groups for f in (*g.entries, *g.exits)}
+        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
+        extra = _extra(held, groups)
+        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "", extra)
+        failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
+        if failed and _look_for_sizes(failed, groups, meta, held, tried):
+            continue
+        if not failed and held and not minimized:
+            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, "", _extra(
+                h, groups)), n, args, kwargs, flow, backward=False)[0])
+            minimized = True
+            continue
+        if not failed:
+            break
+        before = (len(excluded), len(whole))
+        failed = {f: attrs.evolve(x, why=tried.get(generalize(x.where), x.why)) for f, x in failed.items()}
+        _blame(failed, groups, excluded, pairs, whole, choices)
+        if (len(excluded), len(whole)) == before:
+            raise RuntimeError(f"suggest's dry run of {type(model).__name__} on {n} fake ranks fails where "
+                               f"nothing is sharded: {next(iter(failed.values())).why}")
+    sharded, total = sharded_share(meta, plan)
+    header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
+              f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
+              f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
+    sequence = sequence_parallel(groups, flow, n)
+    header += "".join(f"\n{note}" for note in (skipped, sequence) if note)
+    return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header), extra)
+
+
+def _look_for_sizes(failed: dict, groups: list, model: nn.Module, held: dict, tried: dict) -> bool:
+    """Where a group's module computes other shapes than its share, hold the attributes that
+    may be its global sizes per rank (``tpfn.suggest.sizes``), on every module of its kind in
+    the groups; whether any were found. ``tried``: the modules looked at, and the first
+    reason each failed for."""
+    found = False
+    for fqn, failure in failed.items():
+        for group in (g for g in groups if fqn in g.modules):
+            pattern = generalize(failure.where)
+            if not failure.where or pattern in tried:
+                continue
+            tried[pattern] = failure.why
+            named = candidates(model.get_submodule(failure.where), sizes(group))
+            if named or any(generalize(m) == pattern for m, _, _ in group.inputs):
+                for m, _ in model.named_modules():
+                    if generalize(m) == pattern:
+                        held[m] = set(named)
+                found = True
+    return found
+
+
+def _extra(held: dict, groups: list) -> dict:
+    """The per_rank style of each module of (or around) a sharded group that holds sizes per
+    rank (with the inputs its group found laid out per head)."""
+    inputs: dict = {}
+    for group in groups:
+        for module, name, heads in group.inputs:
+            inputs.setdefault(module, {})[name] = heads
+    ours = {".".join(f.split(".")[:i]) for g in groups for f in g.modules
+            for i in range(len(f.split(".")) + 1)} | set(inputs)  # the groups' modules and around them
+    return {m: style(found, inputs.get(m)) for m, found in held.items()
+            if m in ours and (found or inputs.get(m))}
+
+
+def _fewest(held: dict, passes) -> None:
+    """Leave out of ``held`` each attribute (on every module that holds it) without which the
+    check still ``passes``."""
+    for path, how in sorted({(p, h) for found in held.values() for p, h in found}, key=str):
+        trial = {m: {x for x in found if x != (path, how)} for m, found in held.items()}
+        if passes(trial):
+            held.clear()
+            held.update(trial)
+
+
+def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict, choices: list) -> None:
+    """Make the groups (or lone modules) of the failed modules compute whole; where a module
+    the plan does not bind fails (its input an output of a lone module, written in place),
+    every sharded lone module."""
+    lone = {c.fqn for c in choices if c.style is not None}
+    for fqn, failure in failed.items():
+        why = failure.why
+        mine = [g for g in groups if fqn in g.modules] or [   # or the groups inside it (its sizes held)
+            g for g in groups if any(m.startswith(fqn + ".") or not fqn for m in g.modules)]
+        if fqn not in lone and not mine:
+            whole.update({f: why for f in lone if f not in whole})
+        for group in mine:
+            excluded.update({f: why for f in group.entries if f not in excluded})
+            pairs.setdefault(tuple(sorted(group.entries)), Refused(tuple(sorted(group.entries)),
+                                                                   group.exits, why))
+        if not mine:
+            whole.setdefault(fqn, why)
+
+
+def _unmountable(model: nn.Module, groups: list) -> list:
+    """The groups with a module whose row refuses its style, as ``Refused``."""
+    modules = dict(model.named_modules())
+    found = []
+    for group in groups:
+        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
+        problems = [p for fqn, style in styles.items()
+                    for p in (lambda m: m if isinstance(m, list) else [])(
+                        try_mount(style, modules[fqn], fqn, (), ()))]
+        if problems:
+            found.append(Refused(tuple(group.entries), group.exits, problems[0]))
+    return found
+
+
+def _counts(comms: list) -> str:
+    found = collections.Counter(c.kind for c in comms)
+    return ", ".join(f"{k} {kind}" for kind, k in found.items()) or "no collective"
+
+
+def sharded_share(model: nn.Module, plan) -> tuple:
+    """(bytes of the parameters ``plan`` shards, bytes of all parameters) of ``model``."""
+    placed = {join(m.fqn, name): p for m in resolve(plan, model) for name, p in m.params}
+    sharded = total = 0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        total += b
+        sharded += b if isinstance(placed.get(name), Shard) else 0
+    return sharded, total
