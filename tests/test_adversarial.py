@@ -393,8 +393,9 @@ class _TiedLM(nn.Module):
 def _tied_head():
     from tpfn.dryrun import fake_mesh
 
-    with pytest.raises(PlanError) as e:
-        tpfn.parallelize(_TiedLM(), fake_mesh(2), {"emb": rowwise()}, src_rank=None)
+    left_out = tpfn.parallelize(_TiedLM(), fake_mesh(2), {"emb": rowwise()}, src_rank=None)
+    with pytest.raises(PlanError) as e:  # the head runs: refused by name before it computes
+        left_out(torch.zeros(2, 5, dtype=torch.long))
     torch.manual_seed(0)
     ref = _TiedLM().double()
     tp = tpfn.parallelize(clone(ref), mesh(2), {"emb": rowwise(), "head": colwise() >> prepare_out(Replicate())})
@@ -409,7 +410,7 @@ def test_a_tied_head_left_out_of_the_plan_is_refused_and_bound_gives_one_devices
     for problems, out, grad in ranks2.run(_tied_head):
         assert problems == [
             "parameter 'head.weight' is tied to 'emb.weight', which rowwise() at 'emb' (Embedding) places "
-            "Shard(dim=0), but 'head' (Linear) is outside the plan and would compute with that shard; bind it "
+            "Shard(dim=0), but 'head' (Linear) is outside the plan and computes with that shard; bind it "
             "with a style that places the parameter alike (colwise() for a head tied to a rowwise() embedding), "
             "or untie them."]
         assert out <= TOL and grad <= TOL, (out, grad)

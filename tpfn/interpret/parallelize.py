@@ -45,7 +45,7 @@ from tpfn.kernels import KERNELS, Group
 from tpfn.layout import Partial, Replicate, Shard, from_torch
 from tpfn.plans.mount import Mount, local_sizes
 from tpfn.plans.plan import Plan, resolve
-from tpfn.plans.refusals import refusals
+from tpfn.plans.refusals import refusals, tied_outside
 from tpfn.style.style import Style
 
 __all__ = ["parallelize", "mounted", "runtime", "Runtime"]
@@ -382,8 +382,15 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             owner.ctx.group = Group()
             for reader in readers:
                 reader.group = owner.ctx.group
+    for fqn, problem in tied_outside(modules, bound).items():
+        modules[fqn].register_forward_pre_hook(functools.partial(_refused, problem))
     _no_fused_paths(module)
     return module
+
+
+def _refused(problem: str, module, args) -> None:
+    """A forward pre-hook on a module that would compute with another's shard: refused by name."""
+    raise PlanError([problem])
 
 
 def _whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:

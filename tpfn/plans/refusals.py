@@ -24,13 +24,13 @@ from tpfn._torch import gradient_hooks, parameter, parameters_of
 from tpfn.layout import Partial, Shard
 from tpfn.plans.kinds import Conv1D
 
-__all__ = ["refusals", "local_colwise", "linear_width", "part_widths", "projected_heads"]
+__all__ = ["refusals", "tied_outside", "local_colwise", "linear_width", "part_widths", "projected_heads"]
 
 
 def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
     """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
     every bound module in ``bound``, on ``n`` ranks (None: any), one line each."""
-    return _fully_sharded(modules) + _unrunnable(modules, bound) + _tied_outside(modules, bound) \
+    return _fully_sharded(modules) + _unrunnable(modules, bound) \
         + _hooks_on_partial_sums(modules, bound, n) + ([] if n is None else _split_heads(modules, bound, n))
 
 
@@ -139,9 +139,12 @@ def _unrunnable(modules: dict, bound) -> list:
     return found
 
 
-def _tied_outside(modules: dict, bound) -> list:
-    """Parameters the plan places that a module outside every bound one also holds (a head tied
-    to a sharded embedding): it would compute on plain inputs with the parameter's shard."""
+def tied_outside(modules: dict, bound) -> dict:
+    """``{fqn: problem}`` of the modules outside every bound one that hold a parameter the plan
+    places (a head tied to a sharded embedding): such a module would compute on plain inputs
+    with the parameter's shard, so ``parallelize`` refuses its forward by name. One that never
+    runs (T5's ``shared``, which its stacks' tied embeddings compute for) is no problem, nor a
+    module around the one that places it (``_inside``)."""
     placed = {}  # id(parameter) -> (its name, where the plan places it, how)
     for m in bound:
         for name, placement in m.params:
@@ -150,19 +153,25 @@ def _tied_outside(modules: dict, bound) -> list:
             if param is not None:
                 placed.setdefault(id(param), (join(m.fqn, name), placement, m))
     inside = [m.fqn for m in bound]
-    found = []
+    found = {}
     for fqn, sub in modules.items():
         if any(fqn == f or not f or fqn.startswith(f + ".") for f in inside):
             continue  # a bound module's style governs what it and its submodules compute with
         for leaf, param in parameters_of(sub).items():
             held = placed.get(id(param)) if param is not None else None
-            if held is not None and held[0] != join(fqn, leaf):
+            if held is not None and held[0] != join(fqn, leaf) and not _inside(held[2].fqn, fqn):
                 name, placement, m = held
-                found.append(f"parameter {join(fqn, leaf)!r} is tied to {name!r}, which {m.style!r} at "
-                             f"{m.where} places {placement!r}, but {describe(sub, fqn)} is outside the plan and "
-                             "would compute with that shard; bind it with a style that places the parameter "
-                             "alike (colwise() for a head tied to a rowwise() embedding), or untie them.")
+                found.setdefault(fqn, f"parameter {join(fqn, leaf)!r} is tied to {name!r}, which {m.style!r} at "
+                                 f"{m.where} places {placement!r}, but {describe(sub, fqn)} is outside the plan and "
+                                 "computes with that shard; bind it with a style that places the parameter alike "
+                                 "(colwise() for a head tied to a rowwise() embedding), or untie them.")
     return found
+
+
+def _inside(fqn: str, parent: str) -> bool:
+    """Whether module ``fqn`` lies within ``parent``: a parent that holds its child's parameter
+    (BERT's ``cls.predictions.bias``, its decoder's) computes with it through the child."""
+    return fqn != parent and (not parent or fqn.startswith(parent + "."))
 
 
 def _hooks_on_partial_sums(modules: dict, bound, n: int | None) -> list:
