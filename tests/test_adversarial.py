@@ -403,6 +403,9 @@ def _tied_head():
     ref(ids).pow(2).sum().backward()
     out = tp(ids)
     out.pow(2).sum().backward()
+    with pytest.raises(PlanError) as dry:  # explain's dry run names it alike
+        tpfn.explain(_TiedLM(), {"emb": rowwise()}, world_size=2, example_inputs=torch.zeros(2, 5, dtype=torch.long))
+    assert dry.value.problems == e.value.problems
     return e.value.problems, rel_err(out, ref(ids)), rel_err(tp.emb.weight.grad, ref.emb.weight.grad)
 
 

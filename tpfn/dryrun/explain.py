@@ -267,6 +267,8 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
             grads = [t.sum() for t in floats(out)]
             if grads:
                 torch.autograd.backward(grads)
+    except PlanError as exc:  # a module the plan refuses when it runs: its problems as they are
+        raise PlanError([*exc.problems, *lints]) from exc
     except Exception as exc:
         raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints]) from exc
     return comms, seen, slots, _kept(model, saved), tuple((p, work.of(p)) for p in ("forward", "backward"))
