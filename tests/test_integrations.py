@@ -80,9 +80,9 @@ def _under_torchrun(name: str, *args):
                 os.environ[k] = v
 
 
-def test_lightning_fabric_with_tpfn_as_parallelize_fn_matches_one_process(ranks2):
-    # ModelParallelStrategy(parallelize_fn=...) on CPU: main() raises SystemExit where the
-    # loss curve leaves the one-process one.
+def test_lightning_fabric_and_trainer_with_tpfn_parallelizing_match_one_process(ranks2):
+    # ModelParallelStrategy on CPU, Fabric's (parallelize_fn=...) and the Trainer's
+    # (configure_model): main() raises SystemExit where a loss curve leaves the one-process one.
     ranks2.run(_under_torchrun, "train_lightning", 1)
 
 
