@@ -147,6 +147,22 @@ def saved_as_trained(model, directory: str, mesh, lora: bool) -> str | None:
     return "; ".join(problems) or None
 
 
+def refuses_optimizer_checkpoints(model, pc, directory: str) -> str | None:
+    """Whether the Trainer refuses to checkpoint the optimizer state of ``model`` (which rank 0
+    alone would write, its own shards only); the problem, or None."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(directory, parallelism_config=pc, save_only_model=False, report_to=[],
+                             use_cpu=device_type() == "cpu")
+    try:
+        Trainer(model=model, args=args)
+    except ValueError as e:
+        if "Pass `save_only_model=True`" in str(e):
+            return None
+        raise
+    return "the Trainer takes save_only_model=False, whose checkpoints hold rank 0's shards of the optimizer state"
+
+
 def with_accelerate(pc, dp: int) -> tuple:
     """(losses, gradient norms) of a loop over ``accelerator.prepare``d model, optimizer and data."""
     from accelerate import Accelerator
@@ -203,6 +219,7 @@ def main(dp: int = 1, reference: str | None = None) -> None:
             continue  # LoRA on the tensor-parallel mesh alone
         runs[name], model, directory = with_trainer(pc, dp, lora)
         problems.append(saved_as_trained(model, directory, pc.get_device_mesh(device_type()), lora))
+        problems.append(refuses_optimizer_checkpoints(model, pc, directory))
         dist.barrier()  # every rank has read it
         if rank == 0:
             shutil.rmtree(directory)
