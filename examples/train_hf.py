@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import device_type, run  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB = 4, 4, 16, 64
+LORA = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]  # column- and row-wise bases
 
 
 def _lift_cpu_refusal() -> None:
@@ -48,26 +51,36 @@ def _lift_cpu_refusal() -> None:
     ParallelismConfig._validate_accelerator = validate
 
 
-def build(mesh=None):
-    """The tiny Llama, seeded; parallelized on ``mesh`` (accelerate's), with FSDP2 over its data ranks."""
+def build(lora: bool = False):
+    """The tiny Llama, seeded (``lora``: with PEFT's LoRA adapters, initialised at random)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import tpfn
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device_type())
-    if mesh is None:
+    if not lora:
         return model
-    plan = tpfn.from_hf(model.tp_plan, model).override({"lm_head": tpfn.colwise(local=False)})
-    tpfn.parallelize(model, mesh["tp"], plan)
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)  # B random too (init_lora_weights=False), so that every adapter weight counts
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA, init_lora_weights=False))
+
+
+def parallel(model, mesh):
+    """``model`` (or the one PEFT wraps) parallelized on accelerate's ``mesh`` by its own plan, the
+    head left sharded over the vocabulary, FSDP2 over the data ranks; ready for accelerate."""
+    import tpfn
+
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model  # the one PEFT wraps
+    plan = tpfn.from_hf(hf.tp_plan, hf).override({"lm_head": tpfn.colwise(local=False)})
+    tpfn.parallelize(hf, mesh["tp"], plan)
     if "dp_shard" in mesh.mesh_dim_names:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in hf.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(hf, mesh=mesh["dp_shard"])
     return tpfn.for_accelerate(model)
 
 
@@ -77,20 +90,77 @@ def dataset() -> list:
     return [{"input_ids": ids, "labels": ids} for ids in (starts + torch.arange(SEQ)) % VOCAB]
 
 
-def with_trainer(pc, dp: int) -> tuple:
-    """(losses, gradient norms) of ``transformers.Trainer``; ``pc``: accelerate's parallelism."""
+def shared_directory() -> str:
+    """A new temporary directory, the same on every rank."""
+    path = [tempfile.mkdtemp(prefix="tpfn-train-hf-") if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def with_trainer(pc, dp: int, lora: bool = False) -> tuple:
+    """(losses, gradient norms) of ``transformers.Trainer``, the model and the directory it saved
+    it in (a checkpoint at the last step, and ``trainer.save_model()``); ``pc``: accelerate's parallelism."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(
-        output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tpfn-train-hf"), max_steps=STEPS,
-        per_device_train_batch_size=BATCH // dp, learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, use_cpu=device_type() == "cpu", parallelism_config=pc,
-        disable_tqdm=True)
-    model = build(None if pc is None else pc.get_device_mesh(device_type()))
+    model = build(lora)
+    if pc is not None:
+        model = parallel(model, pc.get_device_mesh(device_type()))
+    settings = dict(max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=BATCH // dp, logging_steps=1,
+                    learning_rate=5e-2 if lora else 1e-2, report_to=[], seed=0, disable_tqdm=True,
+                    use_cpu=device_type() == "cpu")
+    args = TrainingArguments(shared_directory(), parallelism_config=pc, max_grad_norm=0.5, save_only_model=True, **settings)
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train()
+    trainer.save_model()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+    return ([h["loss"] for h in logs], [h["grad_norm"] for h in logs]), model, args.output_dir
+
+
+def saved_as_trained(model, directory: str, mesh, lora: bool) -> str | None:
+    """Whether what the Trainer saved in ``directory`` (its last checkpoint and ``save_model()``'s)
+    loads in transformers (or PEFT) on one device and in ``tpfn.from_pretrained`` on ``mesh``,
+    equal to the trained ``model`` bit for bit; the problem, or None (rank 0 says)."""
+    import tpfn
+
+    full = tpfn.checkpoint.full_state_dict(model)
+    problems = []
+    for path in (directory, os.path.join(directory, f"checkpoint-{STEPS}")):
+        if lora:
+            if dist.get_rank() == 0:
+                from peft import PeftModel
+
+                reloaded = PeftModel.from_pretrained(build(), path)  # PEFT alone, one device
+                adapters = {n: p for n, p in reloaded.named_parameters() if "lora_" in n}
+                if len(adapters) != 2 * 2 * len(LORA) or any(not torch.equal(p, full[n]) for n, p in adapters.items()):
+                    problems.append(f"{path}: PEFT reads adapters other than the trained ones")
+            continue
+        if dist.get_rank() == 0:
+            from transformers import AutoModelForCausalLM
+
+            plain = AutoModelForCausalLM.from_pretrained(path).state_dict()  # transformers alone, one device
+            if plain.keys() != full.keys() or any(not torch.equal(t, full[k]) for k, t in plain.items()):
+                problems.append(f"{path}: transformers loads weights other than the trained ones")
+        again = tpfn.checkpoint.full_state_dict(tpfn.from_pretrained(path, mesh["tp"], progress=False))
+        if again.keys() != full.keys() or any(not torch.equal(t, full[k]) for k, t in again.items()):
+            problems.append(f"{path}: tpfn.from_pretrained loads weights other than the trained ones")
+    return "; ".join(problems) or None
+
+
+def refuses_optimizer_checkpoints(model, pc, directory: str) -> str | None:
+    """Whether the Trainer refuses to checkpoint the optimizer state of ``model`` (which rank 0
+    alone would write, its own shards only); the problem, or None."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(directory, parallelism_config=pc, save_only_model=False, report_to=[],
+                             use_cpu=device_type() == "cpu")
+    try:
+        Trainer(model=model, args=args)
+    except ValueError as e:
+        if "Pass `save_only_model=True`" in str(e):
+            return None
+        raise
+    return "the Trainer takes save_only_model=False, whose checkpoints hold rank 0's shards of the optimizer state"
 
 
 def with_accelerate(pc, dp: int) -> tuple:
@@ -100,7 +170,7 @@ def with_accelerate(pc, dp: int) -> tuple:
     import tpfn
 
     accelerator = Accelerator(parallelism_config=pc, cpu=device_type() == "cpu")
-    model = build(accelerator.torch_device_mesh)
+    model = build() if pc is None else parallel(build(), accelerator.torch_device_mesh)
     optimizer = torch.optim.AdamW(tpfn.param_groups(model), lr=1e-2)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH // dp)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -118,8 +188,16 @@ def with_accelerate(pc, dp: int) -> tuple:
     return losses, norms
 
 
+TRAINER_RUNS = {"trainer": False, "trainer with LoRA": True}  # name: with PEFT's LoRA
+
+
 def one_process() -> dict:
-    return {"trainer": with_trainer(None, 1), "accelerate": with_accelerate(None, 1)}
+    curves = {}
+    for name, lora in TRAINER_RUNS.items():
+        curves[name], _, directory = with_trainer(None, 1, lora)
+        shutil.rmtree(directory)
+    curves["accelerate"] = with_accelerate(None, 1)
+    return curves
 
 
 def main(dp: int = 1, reference: str | None = None) -> None:
@@ -135,7 +213,17 @@ def main(dp: int = 1, reference: str | None = None) -> None:
     if device_type() == "cpu":
         _lift_cpu_refusal()
     pc = ParallelismConfig(tp_size=world // dp, dp_shard_size=dp)
-    runs = {"trainer": with_trainer(pc, dp), "accelerate": with_accelerate(pc, dp)}
+    runs, problems = {}, []
+    for name, lora in TRAINER_RUNS.items():
+        if lora and dp > 1:
+            continue  # LoRA on the tensor-parallel mesh alone
+        runs[name], model, directory = with_trainer(pc, dp, lora)
+        problems.append(saved_as_trained(model, directory, pc.get_device_mesh(device_type()), lora))
+        problems.append(refuses_optimizer_checkpoints(model, pc, directory))
+        dist.barrier()  # every rank has read it
+        if rank == 0:
+            shutil.rmtree(directory)
+    runs["accelerate"] = with_accelerate(pc, dp)
     problem = [None]
     if rank == 0:
         from train_llama import _compare
@@ -149,6 +237,8 @@ def main(dp: int = 1, reference: str | None = None) -> None:
             with open(reference) as f:
                 curves = f.read()
         single = json.loads(curves)
+        problem[0] = next((p for p in problems if p), None)
+        print(f"the Trainer's checkpoints: {problem[0] or 'transformers and tpfn.from_pretrained load the trained weights'}")
         for name, (losses, norms) in runs.items():
             print(f"{name}: losses {[round(x, 4) for x in losses]}, gradient norms "
                   f"{[round(x, 4) for x in norms]} on a {dp} x {world // dp} mesh")

@@ -42,15 +42,21 @@ def _script(*args, timeout: float = 480) -> str:
     return out
 
 
-def test_trainer_and_accelerate_match_one_process_on_tp_and_dp_x_tp_meshes(tmp_path):
-    # The script compares every loss and gradient norm (max_grad_norm clips across meshes)
-    # with the same runs in one process, and exits non-zero where they part.
+def test_trainer_and_accelerate_match_one_process_and_the_trainer_saves_the_trained_weights(tmp_path):
+    # The script compares every loss and gradient norm (max_grad_norm clips across meshes) of the
+    # Trainer, the Trainer with PEFT's LoRA (tensor-parallel mesh) and accelerate with the same runs
+    # in one process; the Trainer's last checkpoint and save_model() must load bit for bit as
+    # trained: in plain transformers (PEFT for the adapter) on one device and in
+    # tpfn.from_pretrained. It exits non-zero where any of that fails.
     reference = str(tmp_path / "one-process.json")
+    saved = "the Trainer's checkpoints: transformers and tpfn.from_pretrained load the trained weights"
     out = _script("train_hf.py", "--nproc", "2", "--reference", reference)
-    assert "trainer: losses" in out and "accelerate: losses" in out and "on a 1 x 2 mesh" in out
+    for run in ("trainer", "trainer with LoRA", "accelerate"):
+        assert f"{run}: losses" in out
+    assert "on a 1 x 2 mesh" in out and saved in out
     assert os.path.exists(reference)
     out = _script("train_hf.py", "--nproc", "4", "--dp", "2", "--reference", reference)
-    assert "on a 2 x 2 mesh" in out
+    assert "on a 2 x 2 mesh" in out and saved in out
 
 
 def _under_torchrun(name: str, *args):
@@ -74,9 +80,9 @@ def _under_torchrun(name: str, *args):
                 os.environ[k] = v
 
 
-def test_lightning_fabric_with_tpfn_as_parallelize_fn_matches_one_process(ranks2):
-    # ModelParallelStrategy(parallelize_fn=...) on CPU: main() raises SystemExit where the
-    # loss curve leaves the one-process one.
+def test_lightning_fabric_and_trainer_with_tpfn_parallelizing_match_one_process(ranks2):
+    # ModelParallelStrategy on CPU, Fabric's (parallelize_fn=...) and the Trainer's
+    # (configure_model): main() raises SystemExit where a loss curve leaves the one-process one.
     ranks2.run(_under_torchrun, "train_lightning", 1)
 
 
@@ -118,7 +124,10 @@ def _labels_loss(local: bool):
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     plan = tpfn.from_hf(model.tp_plan, model).override({"lm_head": tpfn.colwise(local=local)})
+    shared = model.config
     tpfn.for_accelerate(tpfn.parallelize(model, mesh(2), plan))
+    assert model.config is not shared and getattr(shared, "distributed_config", None) is None  # as it was
+    assert all(m.config is model.config for m in model.modules() if "config" in m.__dict__)
     loss = model(ids.clamp(min=0), labels=ids).loss
     loss.backward()
     assert torch.allclose(loss, expected, atol=1e-6), (loss, expected)
@@ -132,12 +141,14 @@ def _labels_loss(local: bool):
     if whole is not None:
         assert torch.allclose(tpfn.causal_lm_loss(logits, ids, 62, num_items_in_batch=n),
                               ForCausalLMLoss(whole, ids, 62, num_items_in_batch=n), atol=1e-6)
-    return model.config.distributed_config
+    held = model.config.distributed_config
+    return type(held).__name__, held.tp_size, held.dp_size, model.tp_size
 
 
 def test_labels_compute_the_vocab_parallel_loss_where_the_logits_stay_sharded(ranks2):
-    # A DTensor head (colwise(local=False)) and a local slice (colwise()): outputs and gradients.
-    assert ranks2.run(_labels_loss, False) == [{"tp_size": 2}] * 2
+    # A DTensor head (colwise(local=False)) and a local slice (colwise()): outputs and gradients;
+    # the degree recorded as transformers records it, on a config of the model's own.
+    assert ranks2.run(_labels_loss, False) == [("DistributedConfig", 2, 1, 2)] * 2
     ranks2.run(_labels_loss, True)
 
 
@@ -174,6 +185,23 @@ def _data_ranks_apart():
 def test_for_accelerate_refuses_data_ranks_nothing_keeps_in_step(ranks2):
     # accelerate's tensor-parallel path sums no gradients over data ranks: FSDP2 must.
     assert ranks2.run(_data_ranks_apart) == [1, 1]
+
+
+def _unequal_parts():
+    model = _llama()
+    shared = model.config
+    plan = tpfn.from_hf(model.tp_plan, model).override(  # gate_proj as if it packed three unequal parts
+        {"model.layers.*.mlp.gate_proj": tpfn.colwise(parts=(32, 16, 16))})
+    tpfn.parallelize(model, mesh(2), plan)
+    with pytest.raises(ValueError, match=r"for_accelerate: 'model.layers.0.mlp.gate_proj.weight' is packed of "
+                                         r"unequal parts .*full_tensor\(\) and write the parts out of order.*"
+                                         r"tpfn.save_pretrained"):
+        tpfn.for_accelerate(model)
+    assert model.config is shared and model.tp_size is None  # nothing half-done
+
+
+def test_for_accelerate_refuses_unequal_parts_transformers_would_save_out_of_order(ranks2):
+    ranks2.run(_unequal_parts)
 
 
 def test_for_accelerate_refuses_a_model_tpfn_did_not_parallelize():

@@ -6,15 +6,18 @@ on logits sharded over the vocabulary: the vocabulary-parallel ``tpfn.cross_entr
 never gathers them. Set as a model's ``loss_function``, it is what ``model(ids, labels=ids)``
 computes.
 
-``for_accelerate(model)`` readies a parallelized model for accelerate's tensor-parallel path
-(``ParallelismConfig(tp_size=n)``, which ``transformers.Trainer`` takes through
-``TrainingArguments(parallelism_config=...)``): it tells accelerate the model's degree where
-accelerate reads it, refuses data-parallel ranks that nothing would keep in step, and sets the
-loss function of a model whose logits the plan leaves sharded (docs/integrations.md).
+``for_accelerate(model)`` readies a parallelized model for ``transformers.Trainer`` and for
+accelerate's tensor-parallel path (``ParallelismConfig(tp_size=n)``): it records the model as
+transformers records a model it shards itself, so that the Trainer trains it unwrapped and
+saves it through transformers' own gathering (``save_pretrained`` on every rank); it refuses
+data-parallel ranks that nothing would keep in step and layouts transformers would save out of
+order, and sets the loss function of a model whose logits the plan leaves sharded
+(docs/integrations.md).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -25,8 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import runtime
-from tpfn.layout import Shard
+from tpfn.layout import Shard, as_layout
 from tpfn.training.loss import cross_entropy
 
 __all__ = ["causal_lm_loss", "for_accelerate"]
@@ -128,16 +132,55 @@ def _apart(model: nn.Module, tp_mesh) -> list:
             and (not isinstance(p, DTensor) or p.device_mesh == tp_mesh)]
 
 
-def for_accelerate(model: nn.Module) -> nn.Module:
-    """``model``, parallelized by tpfn, made ready for ``accelerator.prepare`` under
-    ``ParallelismConfig(tp_size=n)`` and for ``transformers.Trainer``; returns ``model``.
+def _transformers_model(model: nn.Module):
+    """The transformers model in ``model`` (itself, or the base model PEFT wraps), or None."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return inner if isinstance(getattr(type(inner), "tp_size", None), property) else None
 
-    - Its tensor-parallel degree is put where accelerate reads it: a transformers model's
-      ``config.distributed_config`` (as ``{"tp_size": n}``), another module's ``tp_size``.
+
+def _out_of_order(model: nn.Module) -> list:
+    """The tensors whose DTensor a plain ``full_tensor()`` gathers out of order: packed of
+    unequal parts (``Shard(d, parts=(q, k, v))``), which DTensor has no placement for."""
+    return [name for name, layout in layouts(model).items()
+            if any(isinstance(p, Shard) and isinstance(p.parts, tuple) for p in as_layout(layout))]
+
+
+def _declare(model: nn.Module, degree: int, data: int) -> None:
+    """Record on a transformers ``model`` what ``from_pretrained(distributed_config=...)`` records
+    on a model it shards, which the Trainer, accelerate, PEFT and ``save_pretrained`` read: a
+    ``DistributedConfig`` on a config of its own (a copy: a config other models share stays
+    as it was), the degree, and that the model keeps its own placement and gradients."""
+    from transformers import DistributedConfig
+
+    shared = model.config
+    own = copy.copy(shared)
+    own.distributed_config = DistributedConfig(tp_size=degree, fsdp_size=data)
+    for module in model.modules():
+        if module.__dict__.get("config") is shared:
+            module.config = own
+    model._tp_size = degree
+    model._is_distributed_loading_by_transformers = True
+
+
+def for_accelerate(model: nn.Module) -> nn.Module:
+    """``model``, parallelized by tpfn, made ready for ``transformers.Trainer`` and for
+    ``accelerator.prepare`` under ``ParallelismConfig(tp_size=n)``; returns ``model``.
+
+    - A transformers model (or a PEFT model around one) is recorded as transformers records a
+      model it shards itself (``from_pretrained(distributed_config=...)``): its config, copied
+      so that no other model sees it, holds a ``transformers.DistributedConfig`` of the
+      tensor-parallel degree and the data-parallel one; ``model.tp_size`` is the degree. The
+      Trainer then trains it unwrapped, and ``trainer.save_model()`` and its checkpoints
+      (``save_only_model=True``) gather it on every rank and write a checkpoint that
+      transformers and ``tpfn.from_pretrained`` load. Another module gets ``tp_size`` (what
+      accelerate reads).
     - On more ranks than the degree (``dp_shard_size`` > 1), every trainable parameter must be
       sharded over the data ranks by FSDP2 (``fully_shard(model, mesh=mesh["dp_shard"])``
       first): accelerate's tensor-parallel path adds no data-parallel gradient sum of its own,
       so the data ranks would train apart. Refused with a ``ValueError`` naming them.
+    - A transformers model holding tensors packed of unequal parts (``colwise(parts=(q, k,
+      v))``) is refused: transformers' saving gathers them with DTensor's ``full_tensor()``,
+      which puts their parts out of order (``tpfn.save_pretrained`` does not).
     - Where the plan leaves the logits sharded over the vocabulary, ``labels=`` computes
       ``causal_lm_loss`` on them (a causal LM; another loss raises, naming ``tpfn.cross_entropy``).
 
@@ -154,21 +197,30 @@ def for_accelerate(model: nn.Module) -> nn.Module:
     if apart:
         sharded = " (fully_shard covers only some of it)" if any(
             isinstance(m, FSDPModule) for m in model.modules()) else ""
-        names = ", ".join(map(repr, apart[:3])) + (f" and {len(apart) - 3} more" if len(apart) > 3 else "")
         raise ValueError(
             f"for_accelerate: {world} ranks and a tensor-parallel degree of {degree}, so {world // degree} "
-            f"data-parallel ranks, but {names} {'is' if len(apart) == 1 else 'are'} not sharded over "
+            f"data-parallel ranks, but {_some(apart)} {'is' if len(apart) == 1 else 'are'} not sharded over "
             f"them{sharded}: accelerate's tensor-parallel path sums no gradients over the data ranks, "
             "so they would train apart. Shard the model over them with FSDP2 first: "
             "fully_shard(model, mesh=mesh['dp_shard']) (and each block before it).")
-    if isinstance(getattr(type(model), "tp_size", None), property):  # transformers' read-only tp_size
-        config = model.config
-        held = getattr(config, "distributed_config", None)
-        if held is not None and not isinstance(held, dict):
-            raise ValueError(f"for_accelerate: the model's config already holds {held!r}: transformers "
-                             "sharded it itself; parallelize a model loaded without distributed_config.")
-        config.distributed_config = {"tp_size": degree}
+    hf = _transformers_model(model)
+    if hf is not None:
+        unequal = _out_of_order(model)
+        if unequal:
+            raise ValueError(
+                f"for_accelerate: {_some(unequal)} {'is' if len(unequal) == 1 else 'are'} packed of unequal "
+                "parts (parts=(...)), which DTensor has no placement for: transformers' save_pretrained, "
+                "which trainer.save_model() and the Trainer's checkpoints call, would gather "
+                f"{'it' if len(unequal) == 1 else 'them'} with full_tensor() and write the parts out of order. "
+                "Shard the fused projection with equal parts or contiguously (the model's own plan: "
+                "tpfn.from_hf), or train it in a loop of your own and save with tpfn.save_pretrained.")
+        _declare(hf, degree, world // degree)
     else:
         model.tp_size = degree
-    set_loss(model)
+    set_loss(model if hf is None else hf)
     return model
+
+
+def _some(names: list) -> str:
+    """The first three of ``names``, quoted, and how many more."""
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
