@@ -183,8 +183,9 @@ def test_given_a_machine_lone_modules_are_weighed_in_seconds_per_step_on_it():
     assert rules(tpfn.suggest(wide, 2, example_inputs=(1, 8)))["head"] == "colwise() >> prepare_out(Replicate())"
     on_fast = tpfn.suggest(small, 2, example_inputs=(2, 16), machine=fast)
     assert rules(on_fast)["head"] == "colwise() >> prepare_out(Replicate())"
+    note = notes(on_fast)["head"]
     assert re.fullmatch(r"column-wise, its output gathered: takes [\d.]+ µs per step \(collectives [\d.e-]+ µs, "
-                        r"optimizer [\d.]+ µs\) against [\d.]+ µs whole", notes(on_fast)["head"]), notes(on_fast)["head"]
+                        r"optimizer [\d.]+ µs\) against [\d.]+ µs whole", note), note
     on_slow = tpfn.suggest(wide, 2, example_inputs=(1, 8), machine=slow)
     assert "head" not in rules(on_slow) and "embed" not in rules(on_slow)
     whole, half = (fmt_seconds(slow.optimizer(4096 * 32 * 4 // k)) for k in (1, 2))  # Adam on its weight

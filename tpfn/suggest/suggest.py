@@ -95,8 +95,10 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     >>> lm = nn.Sequential(OrderedDict(embed=nn.Embedding(4096, 16), norm=nn.LayerNorm(16), mlp=mlp))
     >>> dict(tpfn.suggest(lm, 2, example_inputs=(1, 8)).notes)["embed"]
     'sharded on its features, its output gathered: moves 256 B per step, holds 128.0 KiB per rank of 256.0 KiB'
-    >>> dict(tpfn.suggest(lm, 2, example_inputs=(1, 8), machine=slow).notes)["embed"]
-    'left whole: its optimizer step takes 91.8 µs, sharding it takes 1 s per step (collectives 1 s, optimizer 45.9 µs)'
+    >>> print(dict(tpfn.suggest(lm, 2, example_inputs=(1, 8), machine=slow).notes)["embed"])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    left whole: its optimizer step takes 91.8 µs, sharding it takes 1 s per step
+    (collectives 1 s, optimizer 45.9 µs)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
