@@ -74,14 +74,16 @@ def row(two: dict, four: dict | None) -> tuple:
         notes.append(f"{two['heads']} heads: not run on 4 ranks" if two.get("heads") else
                      "no head count: not run on 4 ranks")
     share = "-" if "error" in mine else f"{round(100 * mine['share'])}%"
+    hf = "-" if not two["planned"] else _collectives(theirs) + (
+        f" ({round(100 * theirs['share'])}%)" if "error" not in theirs else "")
     return (name, "yes" if two["planned"] else "no", _cell(two), _cell(four), share,
-            _collectives(mine), _collectives(theirs) if two["planned"] else "-", "; ".join(notes))
+            _collectives(mine), hf, "; ".join(notes))
 
 
 def table(found: dict) -> str:
     """The markdown table of docs/suggest.md, one row per model type that runs on token ids."""
     lines = ["| model type | own plan | 2 ranks at parity | 4 ranks at parity | parameter bytes "
-             "sharded (2 ranks) | collectives per step | from_hf's | notes |",
+             "sharded (2 ranks) | collectives per step | from_hf's (its bytes sharded) | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (two, four) in found.items():
         if two["skip"]:
@@ -114,14 +116,15 @@ def summary(found: dict) -> str:
     shares = sorted(t["suggest"]["share"] for t, _ in plain if "error" not in t["suggest"])
     median = shares[len(shares) // 2] if shares else 0.0
     both = [t for t, f in planned if ok(t, f) and ok(t, f, "hf")]
-    fewer = sum(sum(t["suggest"]["collectives"].values()) <= sum(t["hf"]["collectives"].values())
-                for t in both)
+    more = [t for t in both if sum(t["suggest"]["collectives"].values()) > sum(t["hf"]["collectives"].values())]
+    wider = sum(t["suggest"]["share"] > t["hf"]["share"] for t in more)
     return (f"{len(found)} model types; {len(runs)} build tiny and run on token ids ({skipped} do not, "
             f"or take other inputs). Without a plan of their own: {len(plain)}, suggest's plan at "
             f"parity on {parity(plain)}, sharding a median {round(100 * median)}% of the parameter "
             f"bytes. With one: {len(planned)}, suggest at parity on {parity(planned)}, from_hf on "
             f"{parity(planned, 'hf')}; where both are, suggest's plan issues no more collectives per "
-            f"step (on 2 ranks) on {fewer} of {len(both)}.")
+            f"step (on 2 ranks) on {len(both) - len(more)} of {len(both)}, and on {wider} of the other "
+            f"{len(more)} it shards more of the parameter bytes than from_hf's.")
 
 
 def write_docs(found: dict, command: str, seconds: float) -> None:
