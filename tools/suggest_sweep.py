@@ -150,10 +150,11 @@ def main() -> None:
         for path in args.merge:
             with open(path) as f:
                 saved = json.load(f)
-            found.update({n: tuple(runs) for n, runs in saved["runs"].items()})
+            found.update({n: tuple(runs) for n, runs in saved["runs"].items()})  # the last part's run
             seconds += saved["seconds"]
         command = (f"python tools/suggest_sweep.py NAMES... --json PART.json` in {len(args.merge)} parts "
-                   f"by model type, then `python tools/suggest_sweep.py --merge PART.json... --docs")
+                   f"by model type (a type in several, as the last ran it), then `python "
+                   f"tools/suggest_sweep.py --merge PART.json... --docs")
     else:
         names = args.names or suggest_zoo.types()
         start = time.perf_counter()
