@@ -155,6 +155,32 @@ def test_heads_the_ranks_do_not_split_leave_the_attention_whole():
                                          "4 heads into whole heads")
 
 
+class LowRankGate(nn.Module):
+    """An attention's gate through a rank of one head (Kimi's ``g_a_proj``, ``g_b_proj``):
+    ``parallelize`` counts the heads of its column-wise projections by ``head_dim``."""
+
+    head_dim = 8
+
+    def __init__(self):
+        super().__init__()
+        self.g_a, self.g_b = nn.Linear(32, 8), nn.Linear(8, 32)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.g_b(F.silu(self.g_a(x))) * self.down(F.relu(self.up(x)))
+
+
+def test_heads_parallelize_would_refuse_leave_their_pair_whole_with_its_reason():
+    x = torch.randn(2, 4, 32)
+    with pytest.raises(tpfn.PlanError, match=r"'g_a' of '<root>' \(LowRankGate\) projects 1 heads"):
+        tpfn.explain(LowRankGate(), {"g_a": colwise(), "g_b": rowwise()}, world_size=2, example_inputs=x)
+    p = tpfn.suggest(LowRankGate(), 2, example_inputs=x)
+    assert rules(p) == {"up": "colwise()", "down": "rowwise()"}
+    assert notes(p)[""] == ("left whole, g_a, g_b: 'g_a' of '<root>' (LowRankGate) projects 1 heads of 8 "
+                            "features: fewer heads than the 2 ranks, so colwise() cannot give each rank a whole head")
+    tpfn.explain(LowRankGate(), p, world_size=2, example_inputs=x)  # parallelize takes it
+
+
 def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():
     few = tpfn.suggest(Toy(tie=True, vocab=4096), 2, example_inputs=(1, 8))
     assert rules(few)["embed"] == "rowwise()"

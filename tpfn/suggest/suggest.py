@@ -28,6 +28,7 @@ from tpfn._fqn import generalize, join
 from tpfn.dryrun.cost import Machine
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
+from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
@@ -123,7 +124,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     while True:
         flow = follow(meta, args, kwargs, excluded)
         groups, refused = decide(flow, n)
-        refused = refused or _unmountable(meta, groups)
+        refused = refused or _unmountable(meta, groups, n)
         if refused:
             for r in refused:
                 if r.why == _REACHES_OUTPUT:
@@ -226,15 +227,17 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
             whole.setdefault(fqn, why)
 
 
-def _unmountable(model: nn.Module, groups: list) -> list:
-    """The groups with a module whose row refuses its style, as ``Refused``."""
+def _unmountable(model: nn.Module, groups: list, n: int) -> list:
+    """The groups with a module whose row refuses its style, or whose column-wise projections
+    of an attention ``parallelize`` refuses on ``n`` ranks (heads its ranks do not split, by
+    the attention's ``head_dim``), as ``Refused``."""
     modules = dict(model.named_modules())
     found = []
     for group in groups:
         styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
-        problems = [p for fqn, style in styles.items()
-                    for p in (lambda m: m if isinstance(m, list) else [])(
-                        try_mount(style, modules[fqn], fqn, (), ()))]
+        mounts = {fqn: try_mount(style, modules[fqn], fqn, (), ()) for fqn, style in styles.items()}
+        problems = [p for m in mounts.values() if isinstance(m, list) for p in m] or split_heads(
+            modules, list(mounts.values()), n)
         if problems:
             found.append(Refused(tuple(group.entries), group.exits, problems[0]))
     return found
