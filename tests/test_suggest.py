@@ -181,6 +181,23 @@ def test_heads_parallelize_would_refuse_leave_their_pair_whole_with_its_reason()
     tpfn.explain(LowRankGate(), p, world_size=2, example_inputs=x)  # parallelize takes it
 
 
+class Pooled(nn.Module):
+    """A wide linear whose features a sum over them leaves no pair (a pooler's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.Linear(64, 4096)
+
+    def forward(self, x):
+        return torch.tanh(self.pool(x[:, 0])).sum(-1)
+
+
+def test_a_module_left_out_of_a_pair_but_sharded_alone_says_its_choice():
+    p = tpfn.suggest(Pooled(), 2, example_inputs=torch.randn(1, 4, 64))
+    assert rules(p) == {"pool": "colwise() >> prepare_out(Replicate())"}
+    assert notes(p)["pool"].startswith("column-wise, its output gathered: moves"), notes(p)
+
+
 def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():
     few = tpfn.suggest(Toy(tie=True, vocab=4096), 2, example_inputs=(1, 8))
     assert rules(few)["embed"] == "rowwise()"
