@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -196,6 +197,55 @@ def test_a_module_left_out_of_a_pair_but_sharded_alone_says_its_choice():
     p = tpfn.suggest(Pooled(), 2, example_inputs=torch.randn(1, 4, 64))
     assert rules(p) == {"pool": "colwise() >> prepare_out(Replicate())"}
     assert notes(p)["pool"].startswith("column-wise, its output gathered: moves"), notes(p)
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.r, self.o = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, g):
+        return self.o(torch.sigmoid(self.r(x)) * g)
+
+
+class Outside(nn.Module):
+    """A pair whose sharded features meet a tensor that a norm outside it computes, and that
+    the output reads besides (RWKV's time mixing, in small)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.gate = nn.LayerNorm(64), Gate()
+
+    def forward(self, x, h):
+        g = self.norm(h).mean(-1, keepdim=True)
+        return self.gate(x, g) + g
+
+
+def test_a_pair_meeting_a_tensor_computed_outside_it_is_no_pair_and_one_devices_numbers(ranks2):
+    """Marked partial, the norm's gradients would be one rank's share on the gate's path and
+    whole on the other: summed over the ranks, the whole one counted twice."""
+    p = tpfn.suggest(Outside(), 2, example_inputs=(torch.randn(2, 4, 32), torch.randn(2, 4, 64)))
+    assert "norm" not in rules(p)
+    assert notes(p)["gate"] == ("no pair, r, o: a tensor 'norm' computes outside the pair meets its sharded "
+                                "features: the gradients of 'norm''s parameters would be one rank's share on "
+                                "that path and whole on the others")
+    for errors in ranks2.run(_outside_errors, p):
+        assert max(errors.values()) < TOL, errors
+
+
+def _outside_errors(p) -> dict:
+    from tests.ranks import mesh
+
+    ref = Outside()
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), p)
+    gen = torch.Generator().manual_seed(1)
+    x, h, c = (torch.randn(2, 4, k, generator=gen) for k in (32, 64, 32))
+    (ref(x, h) * c).sum().backward()
+    (tp(x, h) * c).sum().backward()
+    theirs = dict(ref.named_parameters())
+    return {n: ((q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad) - theirs[n].grad).abs().max().item()
+            for n, q in tp.named_parameters()}
 
 
 def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():

@@ -127,7 +127,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
             continue
         parent = _common(members)
         names = ", ".join(_short(f, parent) for f in members)
-        notes[parent] = f"left whole, {names}: {brief(pair.why)}"
+        alone = any(f in styles for f in members)  # (sharded alone, by their own notes)
+        notes[parent] = f"{'no pair' if alone else 'left whole'}, {names}: {brief(pair.why)}"
         for f in members:
             if notes.get(f, "").startswith("left whole"):
                 del notes[f]
