@@ -157,6 +157,9 @@ def at_parity(found: dict, which: str = "suggest") -> bool:
     return hf_zoo.at_parity(found.get(which), hf_zoo.tolerance(found))
 
 
+LR = 0.1  # optimizer_step's SGD
+
+
 def optimizer_step(name: str, n: int) -> dict:
     """On each rank: the errors of suggest's plan against one device after one forward,
     backward and SGD step (outputs, every gradient, every parameter after the step)."""
@@ -177,10 +180,11 @@ def optimizer_step(name: str, n: int) -> dict:
     expected = hf_zoo.step(ref, inputs, cotangent)
     y = hf_zoo.step(tp, inputs, cotangent)
     found = hf_zoo.errors(tp, ref, y, expected)
+    floor = LR * hf_zoo._floor(ref)  # a step by a gradient zero up to rounding: measured as the gradient
     for m in (ref, tp):
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
+        torch.optim.SGD(m.parameters(), lr=LR).step()
     placed, theirs = layouts(tp), dict(ref.named_parameters())
-    found["stepped"] = {k: hf_zoo._error(full_value(p, placed.get(k)), theirs[k].detach())
+    found["stepped"] = {k: hf_zoo._error(full_value(p, placed.get(k)), theirs[k].detach(), floor)
                         for k, p in tp.named_parameters()}
     found["share"] = share(tp)
     return found

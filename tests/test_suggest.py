@@ -1,11 +1,13 @@
 """tpfn.suggest: a plan for any module from one traced forward, printed as the code that builds it."""
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,6 +15,8 @@ import tpfn
 from tests.models import one_step
 from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
+from tpfn.dryrun.cost import Link, Machine
+from tpfn.dryrun.units import fmt_seconds
 from tpfn.suggest.factors import local_shape, plain, tag, view
 
 TOL = 1e-5  # float32 sums in another order (tests/test_parallelize.py's bar for a block)
@@ -96,6 +100,11 @@ def notes(p) -> dict:
     return dict(p.notes)
 
 
+def comments(p) -> str:
+    """The comments of the printed plan, as one line."""
+    return " ".join(line.strip()[2:] for line in repr(p).splitlines() if line.strip().startswith("# "))
+
+
 def test_an_mlp_is_one_megatron_pair_and_its_plan_prints_as_the_code_that_builds_it():
     mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     p = tpfn.suggest(mlp, 2, example_inputs=torch.randn(8, 16))
@@ -147,6 +156,98 @@ def test_heads_the_ranks_do_not_split_leave_the_attention_whole():
                                          "4 heads into whole heads")
 
 
+class LowRankGate(nn.Module):
+    """An attention's gate through a rank of one head (Kimi's ``g_a_proj``, ``g_b_proj``):
+    ``parallelize`` counts the heads of its column-wise projections by ``head_dim``."""
+
+    head_dim = 8
+
+    def __init__(self):
+        super().__init__()
+        self.g_a, self.g_b = nn.Linear(32, 8), nn.Linear(8, 32)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.g_b(F.silu(self.g_a(x))) * self.down(F.relu(self.up(x)))
+
+
+def test_heads_parallelize_would_refuse_leave_their_pair_whole_with_its_reason():
+    x = torch.randn(2, 4, 32)
+    with pytest.raises(tpfn.PlanError, match=r"'g_a' of '<root>' \(LowRankGate\) projects 1 heads"):
+        tpfn.explain(LowRankGate(), {"g_a": colwise(), "g_b": rowwise()}, world_size=2, example_inputs=x)
+    p = tpfn.suggest(LowRankGate(), 2, example_inputs=x)
+    assert rules(p) == {"up": "colwise()", "down": "rowwise()"}
+    assert notes(p)[""] == ("left whole, g_a, g_b: 'g_a' of '<root>' (LowRankGate) projects 1 heads of 8 "
+                            "features: fewer heads than the 2 ranks, so colwise() cannot give each rank a whole head")
+    tpfn.explain(LowRankGate(), p, world_size=2, example_inputs=x)  # parallelize takes it
+
+
+class Pooled(nn.Module):
+    """A wide linear whose features a sum over them leaves no pair (a pooler's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.Linear(64, 4096)
+
+    def forward(self, x):
+        return torch.tanh(self.pool(x[:, 0])).sum(-1)
+
+
+def test_a_module_left_out_of_a_pair_but_sharded_alone_says_its_choice():
+    p = tpfn.suggest(Pooled(), 2, example_inputs=torch.randn(1, 4, 64))
+    assert rules(p) == {"pool": "colwise() >> prepare_out(Replicate())"}
+    assert notes(p)["pool"].startswith("column-wise, its output gathered: moves"), notes(p)
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.r, self.o = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x, g):
+        return self.o(torch.sigmoid(self.r(x)) * g)
+
+
+class Outside(nn.Module):
+    """A pair whose sharded features meet a tensor that a norm outside it computes, and that
+    the output reads besides (RWKV's time mixing, in small)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.gate = nn.LayerNorm(64), Gate()
+
+    def forward(self, x, h):
+        g = self.norm(h).mean(-1, keepdim=True)
+        return self.gate(x, g) + g
+
+
+def test_a_pair_meeting_a_tensor_computed_outside_it_is_no_pair_and_one_devices_numbers(ranks2):
+    """Marked partial, the norm's gradients would be one rank's share on the gate's path and
+    whole on the other: summed over the ranks, the whole one counted twice."""
+    p = tpfn.suggest(Outside(), 2, example_inputs=(torch.randn(2, 4, 32), torch.randn(2, 4, 64)))
+    assert "norm" not in rules(p)
+    assert notes(p)["gate"] == ("no pair, r, o: a tensor 'norm' computes outside the pair meets its sharded "
+                                "features: the gradients of 'norm''s parameters would be one rank's share on "
+                                "that path and whole on the others")
+    for errors in ranks2.run(_outside_errors, p):
+        assert max(errors.values()) < TOL, errors
+
+
+def _outside_errors(p) -> dict:
+    from tests.ranks import mesh
+
+    ref = Outside()
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), p)
+    gen = torch.Generator().manual_seed(1)
+    x, h, c = (torch.randn(2, 4, k, generator=gen) for k in (32, 64, 32))
+    (ref(x, h) * c).sum().backward()
+    (tp(x, h) * c).sum().backward()
+    theirs = dict(ref.named_parameters())
+    return {n: ((q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad) - theirs[n].grad).abs().max().item()
+            for n, q in tp.named_parameters()}
+
+
 def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():
     few = tpfn.suggest(Toy(tie=True, vocab=4096), 2, example_inputs=(1, 8))
     assert rules(few)["embed"] == "rowwise()"
@@ -156,6 +257,59 @@ def test_a_tied_embedding_and_head_choose_one_layout_by_their_cost():
     assert "embed" not in rules(many) and "head" not in rules(many)
     assert notes(many)["embed"] == ("left whole: sharding it with 'head', which shares its weight, would move "
                                     "12.0 KiB per step to save 4.0 KiB per rank")
+
+
+def _machine(latency: float, bandwidth: float, **links) -> Machine:
+    """A machine whose collectives take ``latency`` per ring step at ``bandwidth`` (``links``: other
+    figures for some kinds)."""
+    return Machine(flops=1e11, bandwidth=2e10, op=5e-6, links=tuple(
+        (kind, links.get(kind, Link(latency, bandwidth))) for kind in ("all_reduce", "all_gather", "reduce_scatter")))
+
+
+def test_given_a_machine_lone_modules_are_weighed_in_seconds_per_step_on_it():
+    """In bytes, the small head is left whole (8 KiB moved per step to save 4 KiB per rank) and the
+    wide one sharded; in seconds, links that cost nothing shard both, links whose every ring step
+    costs a second leave both whole: the optimizer's step on a few KiB takes microseconds."""
+    fast, slow = _machine(0.0, 1e15), _machine(1.0, 1e9)
+    small, wide = Toy(), Toy(vocab=4096)
+    assert "head" not in rules(tpfn.suggest(small, 2, example_inputs=(2, 16)))
+    assert rules(tpfn.suggest(wide, 2, example_inputs=(1, 8)))["head"] == "colwise() >> prepare_out(Replicate())"
+    on_fast = tpfn.suggest(small, 2, example_inputs=(2, 16), machine=fast)
+    assert rules(on_fast)["head"] == "colwise() >> prepare_out(Replicate())"
+    note = notes(on_fast)["head"]
+    assert re.fullmatch(r"column-wise, its output gathered: takes [\d.]+ µs per step \(collectives [\d.e-]+ µs, "
+                        r"optimizer [\d.]+ µs\) against [\d.]+ µs whole", note), note
+    on_slow = tpfn.suggest(wide, 2, example_inputs=(1, 8), machine=slow)
+    assert "head" not in rules(on_slow) and "embed" not in rules(on_slow)
+    whole, half = (fmt_seconds(slow.optimizer(4096 * 32 * 4 // k)) for k in (1, 2))  # Adam on its weight
+    # its logits gathered (one ring step), its input's gradient all-reduced (two)
+    assert notes(on_slow)["head"] == (f"left whole: its optimizer step takes {whole}, sharding it takes "
+                                      f"3 s per step (collectives 3 s, optimizer {half})")
+    # the pairs are not weighed: sharded on any links; and the header says which model decided
+    assert rules(on_slow)["layers.*.up"] == "colwise()"
+    assert "lone modules weighed in seconds per step on the given Machine" in comments(on_slow)
+    assert "weighed in seconds" not in comments(tpfn.suggest(wide, 2, example_inputs=(1, 8)))
+    assert eval(repr(on_slow), NAMESPACE) == on_slow
+
+
+def test_sequence_parallelism_is_weighed_on_the_machines_links_of_each_kind():
+    cheap = Link(0.0, 1e15)  # reduce-scatters and all-gathers that cost nothing: it would save time
+    found = comments(tpfn.suggest(Toy(), 2, example_inputs=(2, 16), machine=_machine(
+        1e-3, 1e9, all_gather=cheap, reduce_scatter=cheap)))
+    # 4 exits of (2, 16, 32) floats: each all-reduce 2 ring steps and 4 KiB, each of its halves 2 KiB
+    split, plain = fmt_seconds(8 * 2048 / 1e15), fmt_seconds(4 * (2 * 1e-3 + 4096 / 1e9))
+    assert (f"sequence parallelism not used: on the given Machine its 8 collectives would take {split} per "
+            f"step where the row-wise exits' 4 all-reduces take {plain} (would save time; suggest writes no "
+            "sequence-parallel plan)") in found, found
+
+
+def test_a_machine_without_the_links_suggest_weighs_is_named_before_anything_runs():
+    partial = Machine(flops=1e11, bandwidth=2e10, op=5e-6, links=(("all_reduce", Link(1e-4, 1e9)),))
+    with pytest.raises(ValueError, match=r"suggest weighs all_reduce, all_gather, reduce_scatter on 'machine', "
+                                         r"which has no link figures for all_gather, reduce_scatter"):
+        tpfn.suggest(Toy(), 2, example_inputs=(2, 16), machine=partial)
+    with pytest.raises(TypeError, match=r"'machine' must be a tpfn.dryrun.cost.Machine"):
+        tpfn.suggest(Toy(), 2, example_inputs=(2, 16), machine={"latency": 1.0})
 
 
 def test_loss_parallel_leaves_the_logits_sharded_only_where_asked():

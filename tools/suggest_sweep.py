@@ -6,7 +6,8 @@ sharded, and the collectives of one step beside from_hf's where the model declar
     python tools/suggest_sweep.py                 # every model type
     python tools/suggest_sweep.py gpt2 bert       # some of them
     python tools/suggest_sweep.py --docs          # and rewrite the table in docs/suggest.md
-    python tools/suggest_sweep.py --json out.json # and save every run's errors
+    python tools/suggest_sweep.py --json out.json # and save every run (with its errors)
+    python tools/suggest_sweep.py --merge a.json b.json --docs  # one sweep run in parts
 
 Each tiny model is built from its config on every rank, then run on one device, and with
 ``tpfn.parallelize(model, mesh, tpfn.suggest(model, n))``: output and every gradient compared
@@ -73,14 +74,16 @@ def row(two: dict, four: dict | None) -> tuple:
         notes.append(f"{two['heads']} heads: not run on 4 ranks" if two.get("heads") else
                      "no head count: not run on 4 ranks")
     share = "-" if "error" in mine else f"{round(100 * mine['share'])}%"
+    hf = "-" if not two["planned"] else _collectives(theirs) + (
+        f" ({round(100 * theirs['share'])}%)" if "error" not in theirs else "")
     return (name, "yes" if two["planned"] else "no", _cell(two), _cell(four), share,
-            _collectives(mine), _collectives(theirs) if two["planned"] else "-", "; ".join(notes))
+            _collectives(mine), hf, "; ".join(notes))
 
 
 def table(found: dict) -> str:
     """The markdown table of docs/suggest.md, one row per model type that runs on token ids."""
     lines = ["| model type | own plan | 2 ranks at parity | 4 ranks at parity | parameter bytes "
-             "sharded (2 ranks) | collectives per step | from_hf's | notes |",
+             "sharded (2 ranks) | collectives per step | from_hf's (its bytes sharded) | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (two, four) in found.items():
         if two["skip"]:
@@ -91,7 +94,8 @@ def table(found: dict) -> str:
 
 
 def summary(found: dict) -> str:
-    """The headline figures: parity with and without a plan, the sharded share, collectives."""
+    """The headline figures: parity with and without a plan (on 2 ranks, and on 4 where the
+    heads allow), the sharded share, and the collectives beside from_hf's."""
     from tests import suggest_zoo
 
     runs = [(two, four) for two, four in found.values() if not two["skip"]]
@@ -99,22 +103,28 @@ def summary(found: dict) -> str:
     plain = [(t, f) for t, f in runs if not t["planned"]]
     planned = [(t, f) for t, f in runs if t["planned"]]
 
-    def ok(t, f):
-        return suggest_zoo.at_parity(t) and (f is None or suggest_zoo.at_parity(f))
+    def ok(t, f, which="suggest"):
+        return suggest_zoo.at_parity(t, which) and (f is None or suggest_zoo.at_parity(f, which))
+
+    def parity(group, which="suggest"):
+        wide = [f for _, f in group if f is not None]
+        two = sum(suggest_zoo.at_parity(t, which) for t, _ in group)
+        four = sum(suggest_zoo.at_parity(f, which) for f in wide)
+        return (f"{sum(ok(t, f, which) for t, f in group)} (on 2 ranks {two} of {len(group)}, on 4 "
+                f"{four} of the {len(wide)} whose heads allow)")
 
     shares = sorted(t["suggest"]["share"] for t, _ in plain if "error" not in t["suggest"])
     median = shares[len(shares) // 2] if shares else 0.0
-    mine = sum(ok(t, f) for t, f in planned)
-    theirs = sum(suggest_zoo.at_parity(t, "hf") for t, _ in planned)
-    both = [t for t, f in planned if ok(t, f) and suggest_zoo.at_parity(t, "hf")]
-    fewer = sum(sum(t["suggest"]["collectives"].values()) <= sum(t["hf"]["collectives"].values())
-                for t in both)
+    both = [t for t, f in planned if ok(t, f) and ok(t, f, "hf")]
+    more = [t for t in both if sum(t["suggest"]["collectives"].values()) > sum(t["hf"]["collectives"].values())]
+    wider = sum(t["suggest"]["share"] > t["hf"]["share"] for t in more)
     return (f"{len(found)} model types; {len(runs)} build tiny and run on token ids ({skipped} do not, "
             f"or take other inputs). Without a plan of their own: {len(plain)}, suggest's plan at "
-            f"parity on {sum(ok(t, f) for t, f in plain)} (on 2 ranks, and on 4 where the heads "
-            f"allow), sharding a median {round(100 * median)}% of the parameter bytes. With one: "
-            f"{len(planned)}, suggest at parity on {mine}, from_hf on {theirs}; where both are, "
-            f"suggest's plan issues no more collectives per step on {fewer} of {len(both)}.")
+            f"parity on {parity(plain)}, sharding a median {round(100 * median)}% of the parameter "
+            f"bytes. With one: {len(planned)}, suggest at parity on {parity(planned)}, from_hf on "
+            f"{parity(planned, 'hf')}; where both are, suggest's plan issues no more collectives per "
+            f"step (on 2 ranks) on {len(both) - len(more)} of {len(both)}, and on {wider} of the other "
+            f"{len(more)} it shards more of the parameter bytes than from_hf's.")
 
 
 def write_docs(found: dict, command: str, seconds: float) -> None:
@@ -131,25 +141,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="model types (default: every one)")
     parser.add_argument("--docs", action="store_true", help="rewrite the table of docs/suggest.md")
-    parser.add_argument("--json", metavar="PATH", help="save every run's errors")
+    parser.add_argument("--json", metavar="PATH", help="save every run (with its errors)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="take the runs of earlier --json files (one sweep in parts) instead of running")
     args = parser.parse_args()
-    names = args.names or suggest_zoo.types()
-    start = time.perf_counter()
-    with Ranks(2, timeout=1800) as ranks:
-        two = {f["name"]: f for f in sweep(names, ranks, 2)}
-    wide = [n for n, f in two.items() if not f["skip"] and f["heads"] and f["heads"] % 4 == 0]
-    with Ranks(4, timeout=1800) as ranks:
-        four = {f["name"]: f for f in sweep(wide, ranks, 4)}
-    found = {n: (two[n], four.get(n)) for n in names}
+    if args.merge:
+        found, seconds = {}, 0.0
+        for path in args.merge:
+            with open(path) as f:
+                saved = json.load(f)
+            found.update({n: tuple(runs) for n, runs in saved["runs"].items()})  # the last part's run
+            seconds += saved["seconds"]
+        command = (f"python tools/suggest_sweep.py NAMES... --json PART.json` in {len(args.merge)} parts "
+                   f"by model type (a type in several, as the last ran it), then `python "
+                   f"tools/suggest_sweep.py --merge PART.json... --docs")
+    else:
+        names = args.names or suggest_zoo.types()
+        start = time.perf_counter()
+        with Ranks(2, timeout=1800) as ranks:
+            two = {f["name"]: f for f in sweep(names, ranks, 2)}
+        wide = [n for n, f in two.items() if not f["skip"] and f["heads"] and f["heads"] % 4 == 0]
+        with Ranks(4, timeout=1800) as ranks:
+            four = {f["name"]: f for f in sweep(wide, ranks, 4)}
+        found = {n: (two[n], four.get(n)) for n in names}
+        seconds, command = time.perf_counter() - start, "python tools/suggest_sweep.py --docs"
     print(table(found), end="\n\n")
     print(summary(found))
-    seconds = time.perf_counter() - start
-    print(f"{seconds:.0f} s for {len(names)} model types")
+    print(f"{seconds:.0f} s for {len(found)} model types")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(found, f, indent=1)
+            json.dump({"seconds": seconds, "runs": found}, f, indent=1)
     if args.docs:
-        write_docs(found, "python tools/suggest_sweep.py --docs", seconds)
+        write_docs(found, command, seconds)
         print(f"rewrote {DOC}")
 
 

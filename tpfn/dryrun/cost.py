@@ -47,6 +47,9 @@ def _ring_steps(kind: str, n: int) -> int:
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
+ADAM_PASSES = 7  # Adam reads a parameter, its gradient and two moments, and writes three
+
+
 @attrs.frozen
 class Machine:
     """The rates a step's time is predicted from (see the module docstring); ``links`` pairs
@@ -69,6 +72,11 @@ class Machine:
                              f"{', '.join(k for k, _ in self.links) or 'none'}); calibrate it on "
                              "a mesh, or give Link(latency, bandwidth) for it.")
         return _ring_steps(kind, n) * link.latency + float(sent) / link.bandwidth
+
+    def optimizer(self, param_bytes) -> float:
+        """Seconds of Adam's step on a rank that holds ``param_bytes`` of parameters: it reads
+        and writes them ``ADAM_PASSES`` times at ``bandwidth``."""
+        return ADAM_PASSES * float(param_bytes) / self.bandwidth
 
 
 @attrs.frozen
@@ -109,9 +117,6 @@ class StepTime:
                 f"optimizer {ms(self.optimizer)} ms; step {ms(self.total)} ms")
 
 
-ADAM_PASSES = 7  # Adam reads a parameter, its gradient and two moments, and writes three
-
-
 def predict(report, machine: Machine, *, optimizer: bool = True) -> StepTime:
     """The step time of ``report``'s plan on ``machine`` (see the module docstring);
     ``optimizer=False`` leaves the optimizer's step out."""
@@ -124,7 +129,7 @@ def predict(report, machine: Machine, *, optimizer: bool = True) -> StepTime:
         comms = sum(machine.collective(c.kind, int(c.group_size), c.bytes)
                     for c in report.comms if c.phase == name)
         return Phase(machine.compute(work[name]), comms)
-    adam = ADAM_PASSES * float(report.param_bytes) / machine.bandwidth if optimizer else 0.0
+    adam = machine.optimizer(report.param_bytes) if optimizer else 0.0
     return StepTime(phase("forward"), phase("backward"), adam)
 
 

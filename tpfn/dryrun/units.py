@@ -10,7 +10,7 @@ import sympy
 
 from tpfn._fqn import generalize
 
-__all__ = ["fmt_bytes", "fmt_shape", "fmt_ranks", "fmt_pct", "fmt_ratio", "summary", "runs", "grouped"]
+__all__ = ["fmt_bytes", "fmt_seconds", "fmt_shape", "fmt_ranks", "fmt_pct", "fmt_ratio", "summary", "runs", "grouped"]
 
 
 def fmt_bytes(n) -> str:
@@ -29,6 +29,17 @@ def fmt_bytes(n) -> str:
         value /= 1024
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:.1f} {unit}"
+
+
+def fmt_seconds(s: float) -> str:
+    """Seconds for a person, to three digits.
+
+    >>> fmt_seconds(2.0), fmt_seconds(0.0459), fmt_seconds(2.56e-10), fmt_seconds(0)
+    ('2 s', '45.9 ms', '0.000256 µs', '0 s')
+    """
+    for unit, scale in (("s", 1), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(s) >= scale or unit == "µs" or s == 0:
+            return f"{s / scale:.3g} {unit}"
 
 
 def fmt_shape(shape) -> str:

@@ -24,14 +24,15 @@ from tpfn._torch import gradient_hooks, parameter, parameters_of
 from tpfn.layout import Partial, Shard
 from tpfn.plans.kinds import Conv1D
 
-__all__ = ["refusals", "tied_outside", "local_colwise", "linear_width", "part_widths", "projected_heads"]
+__all__ = ["refusals", "tied_outside", "local_colwise", "linear_width", "part_widths", "projected_heads",
+           "split_heads"]
 
 
 def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
     """The problems of the model whose ``{fqn: module}`` is ``modules``, with the ``Mount`` of
     every bound module in ``bound``, on ``n`` ranks (None: any), one line each."""
     return _fully_sharded(modules) + _unrunnable(modules, bound) \
-        + _hooks_on_partial_sums(modules, bound, n) + ([] if n is None else _split_heads(modules, bound, n))
+        + _hooks_on_partial_sums(modules, bound, n) + ([] if n is None else split_heads(modules, bound, n))
 
 
 def local_colwise(mounts: dict, fqn: str):
@@ -73,7 +74,7 @@ def projected_heads(sub: nn.Module, fqn: str, mounts: dict) -> dict:
     return out
 
 
-def _split_heads(modules: dict, bound, n: int) -> list:
+def split_heads(modules: dict, bound, n: int) -> list:
     """Column-wise projections of an attention whose heads (or KV heads) ``n`` ranks cannot
     split into whole heads each: its view of their local shards by its head size would fail
     with a bare shape error. Repeated blocks are said once, with their count."""

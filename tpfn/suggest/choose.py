@@ -5,8 +5,9 @@ and must hand on a replicated output. It can be sharded on its own: an embedding
 vocabulary-parallel (``rowwise()``, its output all-reduced) or on its features
 (``colwise()``, its output gathered); a linear column-wise with its output gathered, or
 row-wise on its input's local chunk. Or it stays whole. Each option moves bytes per step
-and holds bytes per rank (``tpfn.suggest.cost``); the cheapest wins, and modules that share
-a weight (an embedding tied to the head) choose together, so that the tie holds one layout.
+and holds bytes per rank, weighed in bytes or, given a ``Machine``, in seconds per step
+(``tpfn.suggest.cost``); the cheapest wins, and modules that share a weight (an embedding
+tied to the head) choose together, so that the tie holds one layout.
 ``loss_parallel`` keeps the logits of a head that makes the model's output sharded
 (``colwise(local=False)``), for ``tpfn.cross_entropy``.
 """
@@ -15,13 +16,13 @@ from __future__ import annotations
 
 import attrs
 
-from tpfn.dryrun.units import fmt_bytes
+from tpfn.dryrun.units import fmt_bytes, fmt_seconds
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
 from tpfn.plans.mount import try_mount
 from tpfn.style.constructors import colwise, params, prepare_in, prepare_out, rowwise
 from tpfn.style.style import Style
-from tpfn.suggest.cost import cost, moved
+from tpfn.suggest.cost import cost, moved, say, seconds
 from tpfn.suggest.emit import brief
 
 __all__ = ["Choice", "standalone", "sequence_parallel"]
@@ -81,20 +82,22 @@ def _held(modules: list, options: list, n: int) -> tuple:
     return whole, per_rank
 
 
-def _moves(calls: list, option, n: int) -> int:
+def _moves(calls: list, option) -> list:
+    """The ``(src, dst, shape, itemsize)`` moves of ``option`` per step, on every call."""
     steps = []
     for call in calls:
         if option.out is not None:
             steps.append((*option.out, call.out_shape, call.itemsize))
         if option.grad is not None:
             steps.append((*option.grad, call.in_shape, call.itemsize))
-    return moved(steps, n)
+    return steps
 
 
-def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set, whole: dict) -> list:
+def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set, whole: dict,
+               machine=None) -> list:
     """A ``Choice`` for every linear and embedding of ``flow`` not in ``used`` (the modules of
     the sharded groups); ``outputs``: the modules whose output is the model's; ``whole``: the
-    modules that compute whole, and why."""
+    modules that compute whole, and why; ``machine``: weigh in seconds on it."""
     calls: dict = {}
     for call in flow.calls:
         if call.fqn not in used:
@@ -107,7 +110,7 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
     for fqns in tied.values():
         kept = [f for f in fqns if f in whole]
         out += ([Choice(f, None, f"left whole: {brief(whole[kept[0]])}") for f in fqns] if kept
-                else _choose(model, fqns, calls, n, loss_parallel, outputs))
+                else _choose(model, fqns, calls, n, loss_parallel, outputs, machine))
     return out
 
 
@@ -131,7 +134,7 @@ def _style(option, module):
     return option.style
 
 
-def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs: set) -> list:
+def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs: set, machine) -> list:
     """The cheapest option for modules that share one weight (each alone if they share none)."""
     modules = [model.get_submodule(f) for f in fqns]
     kinds = {f: calls[f][0].kind for f in fqns}
@@ -141,43 +144,52 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
         if any(isinstance(try_mount(_style(pick[f], module), module, f, (), ()), list)
                for f, module in zip(fqns, modules)):
             continue  # a row refuses it (an embedding whose own submodules compute)
-        m = sum(_moves(calls[f], pick[f], n) for f in fqns)
+        steps = [s for f in fqns for s in _moves(calls[f], pick[f])]
         held = _held(modules, [pick[f] for f in fqns], n)[1]
-        if best is None or cost(m, held) < cost(best[0], best[1]):
-            best = (m, held, pick)
+        if best is None or cost(steps, held, n, machine) < cost(*best[:2], n, machine):
+            best = (steps, held, pick)
     if best is None:
         return [Choice(f, None, "left whole: no way to shard it alone mounts") for f in fqns]
-    m, held, pick = best
-    if cost(0, whole) <= cost(m, held):
+    steps, held, pick = best
+    if cost([], whole, n, machine) <= cost(steps, held, n, machine):
         def why(f):
             others = ", ".join(repr(g) for g in fqns if g != f)
             tie = (f" with {others}, which share{'s' * (len(fqns) == 2)} its weight," if others else "")
-            return (f"left whole: sharding it{tie} would move {fmt_bytes(m)} per step to save "
+            if machine is not None:
+                return (f"left whole: its optimizer step takes {fmt_seconds(machine.optimizer(whole))}, "
+                        f"sharding it{tie} {say(steps, held, n, machine)}")
+            return (f"left whole: sharding it{tie} would move {fmt_bytes(moved(steps, n))} per step to save "
                     f"{fmt_bytes(whole - held)} per rank")
         return [Choice(f, None, why(f)) for f in fqns]
+    figures = (f"{say(steps, held, n)} of {fmt_bytes(whole)}" if machine is None else
+               f"{say(steps, held, n, machine)} against {fmt_seconds(machine.optimizer(whole))} whole")
     out = []
     for f, module in zip(fqns, modules):
         style = _style(pick[f], module)
         tie = f" (its weight tied to {', '.join(repr(g) for g in fqns if g != f)})" if len(fqns) > 1 else ""
-        out.append(Choice(f, style, f"{pick[f].name}{tie}: moves {fmt_bytes(m)} per step, holds "
-                                    f"{fmt_bytes(held)} per rank of {fmt_bytes(whole)}"))
+        out.append(Choice(f, style, f"{pick[f].name}{tie}: {figures}"))
     return out
 
 
-def sequence_parallel(groups: list, flow, n: int) -> str | None:
+def sequence_parallel(groups: list, flow, n: int, machine=None) -> str | None:
     """Whether to run what lies between the pairs (norms, residual sums, dropout) on a shard of
     the sequence: each row-wise exit's all-reduce then becomes a reduce-scatter, and the next
     pair gathers the sequence back. The same bytes in twice the collectives under the ring
-    model, so it is used only where it moves fewer; the note says so, with the numbers."""
+    model, and on a ``machine`` the same ring steps, over the links of other kinds; the note
+    says which costs less, with the figures. Suggest writes no sequence-parallel plan."""
     exits = {f for g in groups for f in g.exits}
     calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3]
     if not calls:
         return None
-    plain = moved([(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls], n)
-    split = moved([step for c in calls for step in ((Partial(), Shard(1), c.out_shape, c.itemsize),
-                                                    (Shard(1), Replicate(), c.out_shape, c.itemsize))], n)
-    if split < plain:  # never under the ring model; a cost model of the links may say otherwise
-        return None
-    return (f"sequence parallelism not used: it would move {fmt_bytes(split)} per step in "
-            f"{2 * len(calls)} collectives where the row-wise exits' {len(calls)} all-reduces move "
-            f"{fmt_bytes(plain)}")
+    plain = [(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls]
+    split = [step for c in calls for step in ((Partial(), Shard(1), c.out_shape, c.itemsize),
+                                              (Shard(1), Replicate(), c.out_shape, c.itemsize))]
+    if machine is None:  # the same bytes, under the ring model
+        return (f"sequence parallelism not used: it would move {fmt_bytes(moved(split, n))} per step in "
+                f"{2 * len(calls)} collectives where the row-wise exits' {len(calls)} all-reduces move "
+                f"{fmt_bytes(moved(plain, n))}")
+    mine, theirs = seconds(split, n, machine), seconds(plain, n, machine)
+    verdict = "would save" if mine < theirs else "would not save"
+    return (f"sequence parallelism not used: on the given Machine its {2 * len(calls)} collectives "
+            f"would take {fmt_seconds(mine)} per step where the row-wise exits' {len(calls)} all-reduces "
+            f"take {fmt_seconds(theirs)} ({verdict} time; suggest writes no sequence-parallel plan)")

@@ -121,12 +121,14 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
         notes[choice.fqn] = choice.note
     for pair in refused:
         members = (*pair.makers, *pair.exits)
-        if len(members) == 1:
-            notes[members[0]] = f"left whole: {brief(pair.why)}"
+        if len(members) == 1:  # (a module chosen alone keeps its choice's note)
+            if members[0] not in styles:
+                notes[members[0]] = f"left whole: {brief(pair.why)}"
             continue
         parent = _common(members)
         names = ", ".join(_short(f, parent) for f in members)
-        notes[parent] = f"left whole, {names}: {brief(pair.why)}"
+        alone = any(f in styles for f in members)  # (sharded alone, by their own notes)
+        notes[parent] = f"{'no pair' if alone else 'left whole'}, {names}: {brief(pair.why)}"
         for f in members:
             if notes.get(f, "").startswith("left whole"):
                 del notes[f]

@@ -98,10 +98,30 @@ def decide(flow, n: int) -> tuple:
         for name in sorted(spaces.partial.get(root, ())):
             owner, _, leaf = name.rpartition(".")
             partial.setdefault(owner, []).append(leaf)
+        outside = _outside(partial, [*entries, *exits])
+        if outside:
+            refused.append(Refused(tuple(producers), tuple(exits), (
+                f"a tensor {outside!r} computes outside the pair meets its sharded features: the gradients "
+                f"of {outside!r}'s parameters would be one rank's share on that path and whole on the others"),
+                tuple(kinds[p] for p in producers)))
+            continue
         chosen.append(Group(entries, tuple(exits), heads, {k: tuple(v) for k, v in partial.items()},
                             _shared(entries, flow), tuple(sorted(spaces.inputs.get(root, ()))),
                             tuple(sorted(spaces.random.get(root, ())))))
     return chosen, refused
+
+
+def _outside(partial: dict, members: list) -> str | None:
+    """The first module of ``partial`` (the owners of parameters whose gradients a group makes
+    partial sums) outside the innermost module holding the group's ``members``: where its
+    replicated output meets the sharded features, only that path's gradient is a partial sum."""
+    scope = members[0].split(".")[:-1]
+    for m in members[1:]:
+        parts = m.split(".")[:-1]
+        while scope != parts[:len(scope)]:
+            scope = scope[:-1]
+    prefix = ".".join(scope)
+    return next((o for o in sorted(partial) if prefix and o != prefix and not o.startswith(prefix + ".")), None)
 
 
 def _shared(entries: dict, flow) -> tuple:

@@ -25,8 +25,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tpfn._fqn import generalize, join
+from tpfn.dryrun.cost import Machine
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
+from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
@@ -42,6 +44,7 @@ from tpfn.suggest.trace import follow
 __all__ = ["suggest", "sharded_share"]
 
 _REACHES_OUTPUT = "they reach the model's output"
+_WEIGHED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives of the choices
 
 
 def _world_size(world_size) -> int:
@@ -54,7 +57,7 @@ def _world_size(world_size) -> int:
 
 
 def suggest(model: nn.Module, world_size: int | None = None, example_inputs: object = None, *,
-            loss_parallel: bool = False) -> Plan:
+            loss_parallel: bool = False, machine: Machine | None = None) -> Plan:
     """A tensor-parallel plan for ``model`` over ``world_size`` ranks, printed as the code
     that builds it, each rule with a comment that says why.
 
@@ -64,6 +67,10 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
       bytes held per rank (``tpfn.suggest.cost``).
     - ``loss_parallel``: leave the logits of a head that makes the model's output sharded,
       for ``tpfn.cross_entropy`` (default: gathered, usable as they are).
+    - ``machine``: a ``tpfn.dryrun.cost.Machine`` (``calibrate``, or given): the choices are
+      weighed in seconds per step on it, as ``explain``'s predicted step time counts them
+      (each collective over its link, the optimizer's step on the bytes held), instead of
+      in bytes; the plan's header says which.
 
     What it cannot shard safely stays whole, with the reason in the plan's comments; the
     plan is dry-run on fake ranks, forward and backward, before it is returned.
@@ -77,9 +84,33 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
         '0': colwise(),
         '2': rowwise(),
     })
+
+    Given a ``Machine``, a lone module (here an embedding) is sharded where that saves time
+    per step: on links whose every ring step costs a second it is left whole (the pairs are
+    sharded whatever the links, as they are not weighed).
+
+    >>> from collections import OrderedDict
+    >>> from tpfn.dryrun.cost import Link, Machine
+    >>> slow = Machine(flops=1e11, bandwidth=2e10, op=5e-6, links=tuple(
+    ...     (kind, Link(latency=1.0, bandwidth=1e9)) for kind in ("all_reduce", "all_gather", "reduce_scatter")))
+    >>> lm = nn.Sequential(OrderedDict(embed=nn.Embedding(4096, 16), norm=nn.LayerNorm(16), mlp=mlp))
+    >>> dict(tpfn.suggest(lm, 2, example_inputs=(1, 8)).notes)["embed"]
+    'sharded on its features, its output gathered: moves 256 B per step, holds 128.0 KiB per rank of 256.0 KiB'
+    >>> print(dict(tpfn.suggest(lm, 2, example_inputs=(1, 8), machine=slow).notes)["embed"])
+    ... # doctest: +NORMALIZE_WHITESPACE
+    left whole: its optimizer step takes 91.8 µs, sharding it takes 1 s per step
+    (collectives 1 s, optimizer 45.9 µs)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
+    if machine is not None and not isinstance(machine, Machine):
+        raise TypeError(f"'machine' must be a tpfn.dryrun.cost.Machine (from calibrate(mesh), or "
+                        f"given) or None (got {machine!r} that is a {type(machine)!r}).")
+    missing = [k for k in _WEIGHED if machine is not None and k not in dict(machine.links)]
+    if missing:
+        raise ValueError(f"suggest weighs {', '.join(_WEIGHED)} on 'machine', which has no link figures "
+                         f"for {', '.join(missing)}: calibrate it on a mesh, or give Link(latency, "
+                         "bandwidth) for each.")
     n = _world_size(world_size)
     args, kwargs = example(model, example_inputs)
     meta = hybrid_copy(model)
@@ -93,7 +124,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     while True:
         flow = follow(meta, args, kwargs, excluded)
         groups, refused = decide(flow, n)
-        refused = refused or _unmountable(meta, groups)
+        refused = refused or _unmountable(meta, groups, n)
         if refused:
             for r in refused:
                 if r.why == _REACHES_OUTPUT:
@@ -103,7 +134,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
                     pairs.setdefault(r.makers, r)
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)}
-        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole)
+        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine)
         extra = _extra(held, groups)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "", extra)
         failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
@@ -126,8 +157,10 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
-    sequence = sequence_parallel(groups, flow, n)
-    header += "".join(f"\n{note}" for note in (skipped, sequence) if note)
+    sequence = sequence_parallel(groups, flow, n, machine)
+    weighed = machine and ("lone modules weighed in seconds per step on the given Machine: their "
+                           "collectives over its links, and the optimizer's step on the bytes held")
+    header += "".join(f"\n{note}" for note in (weighed, skipped, sequence) if note)
     return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header), extra)
 
 
@@ -194,15 +227,17 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
             whole.setdefault(fqn, why)
 
 
-def _unmountable(model: nn.Module, groups: list) -> list:
-    """The groups with a module whose row refuses its style, as ``Refused``."""
+def _unmountable(model: nn.Module, groups: list, n: int) -> list:
+    """The groups with a module whose row refuses its style, or whose column-wise projections
+    of an attention ``parallelize`` refuses on ``n`` ranks (heads its ranks do not split, by
+    the attention's ``head_dim``), as ``Refused``."""
     modules = dict(model.named_modules())
     found = []
     for group in groups:
         styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
-        problems = [p for fqn, style in styles.items()
-                    for p in (lambda m: m if isinstance(m, list) else [])(
-                        try_mount(style, modules[fqn], fqn, (), ()))]
+        mounts = {fqn: try_mount(style, modules[fqn], fqn, (), ()) for fqn, style in styles.items()}
+        problems = [p for m in mounts.values() if isinstance(m, list) for p in m] or split_heads(
+            modules, list(mounts.values()), n)
         if problems:
             found.append(Refused(tuple(group.entries), group.exits, problems[0]))
     return found
