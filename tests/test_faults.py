@@ -20,7 +20,7 @@ from tpfn import colwise, rowwise
 
 TIMEOUT = 3  # seconds: the bound the process group sets
 # the words of a wait that passed the bound: the host's own, or gloo's where its timeout fires first
-TIMED_OUT = r"(it did not complete within 3 s|Timed out waiting 3000ms for recv operation to complete)"
+TIMED_OUT = r"it did not complete within 3 s"  # (gloo's own words vary: 'Operation timed out!', 'Timed out waiting ...')
 
 
 @pytest.fixture(scope="module")

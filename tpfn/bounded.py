@@ -174,8 +174,10 @@ class Bound:
         if isinstance(error, Stalled):
             return error
         k = self._issued() if k is None else k
-        raised = self._raised(k)
-        return Stalled(_words(error), raised, None if raised else self._missing(k))
+        raised, words = self._raised(k), _words(error)
+        if re.search(r"timed out", words, re.IGNORECASE):  # gloo's words for its own deadline, which vary
+            words = f"it did not complete within {self.seconds:g} s"
+        return Stalled(words, raised, None if raised else self._missing(k))
 
     def __deepcopy__(self, memo) -> "Bound":  # (a deep copy of a model waits alike, on the same group)
         return self
