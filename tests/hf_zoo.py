@@ -553,3 +553,17 @@ def rewrite(path: str, marker: str, body: str) -> None:
         raise SystemExit(f"{path} has no place for the {marker} table")
     with open(path, "w") as f:
         f.write(re.sub(pattern, lambda _: f"<!-- table:{marker} -->\n{body}\n<!-- /table -->", text, flags=re.S))
+
+
+def rows(path, marker: str) -> dict:
+    """The table ``rewrite`` put at ``marker`` in the page at ``path``, read back: ``{model
+    type: the cells after its first}`` (the first cell names it in backticks)."""
+    import re
+
+    text = re.search(rf"<!-- table:{marker} -->(.*?)<!-- /table -->", open(path).read(), flags=re.S).group(1)
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `([\w-]+)`[^|]*\|(.*)\|$", line)
+        if m:
+            found[m.group(1)] = [cell.strip() for cell in m.group(2).split(" | ")]
+    return found

@@ -8,7 +8,6 @@ docs/suggest.md, and the rows of these models must say what this run measures.
 """
 
 import pathlib
-import re
 
 import pytest
 
@@ -45,10 +44,6 @@ def test_each_model_is_at_one_devices_numbers_after_an_optimizer_step(request, r
 
 
 def test_the_docs_rows_say_what_is_measured(two):
-    rows = {}
-    for line in DOC.read_text().splitlines():
-        m = re.match(r"\| `([\w-]+)`[^|]*\| (\w+) \| (\w+) \| (\S+) \| (\S+) \|", line)
-        if m:
-            rows[m.group(1)] = m.groups()[1:]
+    rows = hf_zoo.rows(DOC, "suggest")
     for name, found in two.items():
         assert rows[name][1] == "yes" and rows[name][3] == f"{round(100 * found['share'])}%", name
