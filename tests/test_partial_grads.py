@@ -428,3 +428,36 @@ def _transformer_block_by_block():
 def test_a_transformer_parallelized_block_by_block_sums_its_norms_once(ranks2):
     # Three parallelize calls (two blocks and the rest), one all-reduce of every norm's gradient.
     assert ranks2.run(_transformer_block_by_block)[0] == (1, 2)
+
+
+def _bucket_summed_where_it_lies():
+    from tpfn.bounded import Bound, all_reduce
+
+    bound = Bound(mesh(2).get_group())
+    mine = torch.full((3,), float(dist.get_rank() + 1))
+    copied = all_reduce(mine, "sum", bound)  # a user's tensor: never written
+    summed = {}
+    real = state.all_reduce
+
+    def spy(x, op, bound, **kw):
+        out = real(x, op, bound, **kw)
+        summed["same"] = out is x
+        return out
+    state.all_reduce = spy
+    try:
+        ref = transformer(weight_tying=False, vocab_size=16)
+        tp = tpfn.parallelize(clone(ref), mesh(2), transformer_plan(sp=True))
+        local_heads(tp, 2)
+        tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(2))
+        tp(tokens).sum().backward()
+        ref(tokens).sum().backward()
+    finally:
+        state.all_reduce = real
+    return mine.tolist(), copied.tolist(), summed.get("same"), max(max_rel_err(tp, ref, grads=True).values())
+
+
+def test_the_end_of_backward_bucket_is_summed_where_it_lies(ranks2):
+    """The flat bucket of partial gradients is tpfn's own buffer: its all-reduce writes it, no copy."""
+    for rank, (mine, copied, same, err) in enumerate(ranks2.run(_bucket_summed_where_it_lies)):
+        assert mine == [rank + 1.0] * 3 and copied == [3.0] * 3
+        assert same is True and err <= TOL, (same, err)

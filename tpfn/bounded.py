@@ -318,12 +318,13 @@ def _done(out: torch.Tensor, work, bound: Bound, wait: bool, then=None):
     return finish() if wait else finish
 
 
-def all_reduce(x: torch.Tensor, op: str, bound: Bound, wait: bool = True, options=None):
-    """The ranks' ``x`` reduced with ``op`` (``"sum"``, ``"max"``), a new tensor."""
+def all_reduce(x: torch.Tensor, op: str, bound: Bound, wait: bool = True, options=None, *, own: bool = False):
+    """The ranks' ``x`` reduced with ``op`` (``"sum"``, ``"max"``), a new tensor; ``own``: a
+    contiguous buffer the caller made, reduced where it lies."""
     if type(x) is not torch.Tensor or x.device.type == "meta":  # simulated ranks' (LocalTensorMode), a dry run's
         out = all_reduced(x, op, bound.group)
         return out if wait else lambda: out
-    out = x.clone(memory_format=torch.contiguous_format)
+    out = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     options = options or bound.options("allreduce", reduceOp=_OPS[op])
     return _done(out, bound.issue(bound.group.allreduce, [out], options), bound, wait)
 

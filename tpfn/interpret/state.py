@@ -324,7 +324,7 @@ def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
             with collective(f"the all-reduce of the partial gradients of {names} at the "
                             "end of the backward", mesh, timeout, dim) as bound:
                 if type(flat) is torch.Tensor and flat.device.type != "meta":
-                    flat = all_reduce(flat, "sum", bound)
+                    flat = all_reduce(flat, "sum", bound, own=True)  # (the bucket torch.cat made)
                 else:  # a simulated rank's (LocalTensorMode) or a dry run's
                     flat = all_reduced(flat, "sum", (mesh, dim))
     replicated = tuple(Replicate() if p.is_partial() else p for p in placements)
