@@ -313,3 +313,12 @@ def test_a_lora_layer_bound_as_it_is_points_to_with_lora():
     with pytest.raises(PlanError, match=r"not _Lora \(tests.test_integrations._Lora, which wraps its "
                                         r"'base_layer'\): pass the plan through tpfn.with_lora\(plan, model\)"):
         tpfn.resolve({"0": colwise()}, nn.Sequential(_Lora(nn.Linear(8, 8))))
+
+
+def test_with_lora_keeps_the_notes_of_the_rules_it_keeps():
+    from tpfn import colwise
+
+    model = nn.ModuleDict({"drop": _Lora(nn.Linear(8, 8)), "plain": nn.Linear(8, 8)})
+    plan = tpfn.plan({"drop": colwise(), "plain": colwise()}).noted(
+        {None: "the whole plan", "drop": "split into its base and adapters", "plain": "as it was"})
+    assert dict(tpfn.with_lora(plan, model).notes) == {None: "the whole plan", "plain": "as it was"}

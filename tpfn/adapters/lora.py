@@ -123,4 +123,6 @@ def with_lora(plan_like: Plan | dict | Style, model: nn.Module) -> Plan:
             rules += [rule for f in layers for rule in _split(f, style, kind)]
     if found:
         raise PlanError(found)
-    return Plan(tuple(sorted(dict(rules).items())), plan.kinds)
+    rules = dict(rules)
+    return Plan(tuple(sorted(rules.items())), plan.kinds,
+                tuple((key, text) for key, text in plan.notes if key is None or key in rules))  # (its notes kept)

@@ -95,8 +95,7 @@ def brief(why: str) -> str:
     return first if len(first) <= BRIEF else first[:BRIEF - 1].rstrip() + "…"
 
 
-def assemble(model, flow, groups: list, choices: list, refused: list, n: int, header: str,
-             extra: dict | None = None):
+def assemble(model, flow, groups: list, choices: list, refused: list, n: int, extra: dict | None = None):
     """The plan (with its notes) of ``groups`` and lone ``choices``; ``refused``: the pairs
     left whole, and why; ``extra``: module -> a style to append (its sizes held per rank)."""
     styles, notes = {}, {}
@@ -138,6 +137,4 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, he
     for fqn, text in sorted(notes.items()):
         pattern = next((p for p in rules if matches(p, fqn)), None)
         kept.setdefault(pattern if pattern is not None else generalize(fqn), general(text))
-    if header:
-        kept[None] = header
     return make_plan(rules, notes=kept)

@@ -136,12 +136,12 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
         used = {f for g in groups for f in (*g.entries, *g.exits)}
         choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine)
         extra = _extra(held, groups)
-        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, "", extra)
+        plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, extra)
         failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
         if failed and _look_for_sizes(failed, groups, meta, held, tried):
             continue
         if not failed and held and not minimized:
-            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, "", _extra(
+            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, _extra(
                 h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
@@ -161,7 +161,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     weighed = machine and ("lone modules weighed in seconds per step on the given Machine: their "
                            "collectives over its links, and the optimizer's step on the bytes held")
     header += "".join(f"\n{note}" for note in (weighed, skipped, sequence) if note)
-    return assemble(meta, flow, groups, choices, list(pairs.values()), n, general(header), extra)
+    return plan.noted({None: general(header)})  # (the plan the last check passed)
 
 
 def _look_for_sizes(failed: dict, groups: list, model: nn.Module, held: dict, tried: dict) -> bool:
