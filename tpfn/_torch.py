@@ -362,7 +362,7 @@ def heads_mesh(mesh, heads: int):
         if names:
             return mesh._unflatten(0, (heads, replicas), (base, base + "_replicas"))
         return DeviceMesh(mesh.device_type, mesh.mesh.view(heads, replicas), mesh_dim_names=(base, base + "_replicas"))
-    rank, store = mesh.get_coordinate()[0], group.get_group_store()
+    rank, store = mesh.get_coordinate()[0], group_store(group)
     callers = 1 if fake else n  # a fake mesh is rank 0's alone
     epoch = (store.add("tpfn/heads-views", 1) - 1) // callers  # this view's number, alike on all ranks
     base = f"{names[0]}-heads{heads}-{epoch}"

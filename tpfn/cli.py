@@ -53,6 +53,7 @@ from tpfn.dryrun.explain import ExampleInput
 from tpfn.dryrun.table import MIN_WIDTH, prose
 from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError
+from tpfn.training.pretrained import auto_plan
 
 __all__ = ["main"]
 
@@ -159,15 +160,6 @@ def _transformers_model(path: str, weights: bool):
         return build(config).eval()
     with empty_weights():
         return build(config).eval()
-
-
-def _default_plan(model: nn.Module, world_size: int, inputs):
-    """The model's own plan, else ``tpfn.suggest``'s (``inputs``: its example inputs)."""
-    import tpfn
-
-    if getattr(model, "tp_plan", None):
-        return tpfn.from_hf(model.tp_plan, model)
-    return tpfn.suggest(model, world_size, example_inputs=inputs)
 
 
 def _size(text: str):
@@ -454,9 +446,10 @@ def main(argv=None) -> int:
         usage(f"the model {args.model!r} is a {type(model).__name__}, not an nn.Module")
     if args.command == "suggest":
         return _suggest(args, model)
+    inputs = _arrange(usage, model, _inputs(args)) if plan is None or args.command != "verify" else None
     if plan is None:
         try:
-            plan = _default_plan(model, args.world_size, _arrange(usage, model, _inputs(args)))
+            plan = auto_plan(model, args.world_size, inputs)
         except (PlanError, ValueError, TypeError, RuntimeError) as e:
             if args.traceback:
                 raise
@@ -464,7 +457,6 @@ def main(argv=None) -> int:
             return 1
     if args.command == "verify":
         return _verify(args, model, plan)
-    inputs = _arrange(usage, model, _inputs(args))
     reports = []
     for which, value in (("", plan), ("the baseline plan: ", baseline)):
         if value is None and which:

@@ -21,7 +21,7 @@ import sympy
 from tpfn._fqn import generalize
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
 from tpfn.dryrun.html import html
-from tpfn.dryrun.table import EMPTY, MIN_WIDTH, cell, flow, prose, render
+from tpfn.dryrun.table import EMPTY, cell, checked_width, flow, prose, render
 from tpfn.dryrun.units import fmt_bytes, fmt_ranks, fmt_ratio, fmt_shape, summary
 from tpfn.layout import Placement, Replicate, Shard
 from tpfn.style.style import Style
@@ -386,11 +386,7 @@ class Report:
           total 384 B
         parameter bytes per rank: 272 B
         """
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int)
-                                  or width < MIN_WIDTH):
-            raise ValueError(f"'width' must be None (no limit) or at least {MIN_WIDTH} columns "
-                             f"(got {width!r}).")
-        return "\n".join(_table(self, width, wide))
+        return "\n".join(_table(self, checked_width(width), wide))
 
     def __str__(self) -> str:
         return self.text()

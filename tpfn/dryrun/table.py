@@ -22,12 +22,19 @@ import itertools
 import re
 import textwrap
 
-__all__ = ["MIN_WIDTH", "EMPTY", "cell", "render", "flow", "prose"]
+__all__ = ["MIN_WIDTH", "EMPTY", "checked_width", "cell", "render", "flow", "prose"]
 
 MIN_WIDTH = 40
 _GAP = "  "
 _MORE = "  "  # the indent of a cell's continuation lines
 EMPTY = ("", ())  # an empty cell
+
+
+def checked_width(width):
+    """``width``, a report's terminal width: None (no limit) or at least ``MIN_WIDTH`` columns."""
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < MIN_WIDTH):
+        raise ValueError(f"'width' must be None (no limit) or at least {MIN_WIDTH} columns (got {width!r}).")
+    return width
 
 
 def _tokens(text: str) -> list:

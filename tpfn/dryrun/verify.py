@@ -24,7 +24,7 @@ from tpfn.dryrun.explain import floats, split_inputs, tensors
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
 from tpfn.dryrun.lints import failing_module, local_colwise
-from tpfn.dryrun.table import MIN_WIDTH, cell, prose, render
+from tpfn.dryrun.table import cell, checked_width, prose, render
 from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
@@ -90,8 +90,7 @@ class Verification:
         line per module (repeated blocks once, with their count and their worst errors; the
         module that diverges first on its own) with its style, the relative error of its output
         and the worst of its parameters' gradients. ``str(report)`` is ``report.text()``."""
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < MIN_WIDTH):
-            raise ValueError(f"'width' must be None (no limit) or at least {MIN_WIDTH} columns (got {width!r}).")
+        checked_width(width)
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
         lines = prose(f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
                       f"tolerance {self.tolerance:g} (relative)", width)

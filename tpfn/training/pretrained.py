@@ -707,15 +707,16 @@ def build(config, model_class: type | None = None, dtype: torch.dtype | None = N
     return model_class(config)
 
 
-def _auto_plan(model: nn.Module, mesh: DeviceMesh):
-    """The model's own plan (``from_hf``), else ``tpfn.suggest``'s, logged at INFO; a plan that
-    shards nothing is logged at WARNING."""
+def auto_plan(model: nn.Module, world_size: int, example_inputs=None):
+    """The model's own plan (``from_hf``), else ``tpfn.suggest``'s over ``world_size`` ranks
+    (at ``example_inputs``, if given), logged at INFO; a plan that shards nothing is logged at
+    WARNING. What ``from_pretrained(plan="auto")`` and the command line take."""
     from tpfn.adapters.from_hf import from_hf
     from tpfn.suggest.suggest import sharded_share, suggest
 
     if getattr(model, "tp_plan", None):
         return from_hf(model.tp_plan, model)
-    found = suggest(model, mesh.size())
+    found = suggest(model, world_size, example_inputs=example_inputs)
     sharded, total = sharded_share(model, found)
     log.log(logging.INFO if sharded else logging.WARNING,
             "%s declares no tensor-parallel plan; tpfn.suggest's %s:\n%s", type(model).__name__,
@@ -776,6 +777,6 @@ def from_pretrained(path: str | os.PathLike, mesh: DeviceMesh, *, model_class: t
         log.warning("from_pretrained(plan=None): every rank holds and computes the whole %s",
                     type(model).__name__)
     else:
-        parallelize(model, mesh, _auto_plan(model, mesh) if isinstance(plan, str) else plan, src_rank=None)
+        parallelize(model, mesh, auto_plan(model, mesh.size()) if isinstance(plan, str) else plan, src_rank=None)
         set_loss(model)  # a plan that leaves the logits sharded: labels= computes a vocab-parallel loss
     return load_pretrained(model, path, progress=progress)
