@@ -84,11 +84,12 @@ class Flow:
 def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     """A module call's inputs by the names its forward gives them (``*args`` as ``args.i``)."""
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        signature = inspect.signature(module.forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
     except (TypeError, ValueError):
         return dict(kwargs)
     out = {}
-    params = inspect.signature(module.forward).parameters
+    params = signature.parameters
     for name, value in bound.items():
         kind = params[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
@@ -200,7 +201,8 @@ class _Tracer(TorchDispatchMode):
     # -- modules -------------------------------------------------------------------------
     def pre(self, fqn: str, module: nn.Module, args, kwargs):
         if not self.inside:
-            self.firsts.setdefault(fqn, _first_name(module))
+            if fqn not in self.firsts:
+                self.firsts[fqn] = _first_name(module)
             for name, value in _named(module, args, kwargs).items():
                 if isinstance(value, torch.Tensor) and self.param(value) is None:
                     self.sources[id(value)] = (value, Input(fqn, name))
