@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
 from tpfn.layout import Shard
-from tpfn.plans.refusals import linear_width, local_colwise, part_widths, projected_heads
+from tpfn.plans.refusals import linear_width, local_colwise, once, part_widths, projected_heads
 from tpfn.style.constructors import per_rank
 
 __all__ = ["uneven", "replicated_heads", "head_counts", "fused", "siblings", "failure",
@@ -100,14 +100,6 @@ def _local_children(sub: nn.Module, fqn: str, mounts: dict) -> list:
     return [(name, child, core) for name, child, core in found if core is not None and linear_width(child)]
 
 
-def _once(found: list) -> list:
-    """One sentence per (generalized key), counting the modules behind it."""
-    seen: dict = {}
-    for key, sentence in found:
-        seen.setdefault(key, [sentence, 0])[1] += 1
-    return [s if n == 1 else f"{s[:-1]} (and {n - 1} more like it)." for s, n in seen.values()]
-
-
 def uneven(rows, world_size: int) -> list:
     """Sharded parameters whose dim the mesh size does not divide.
 
@@ -123,7 +115,7 @@ def uneven(rows, world_size: int) -> list:
                     f"{full!r} {p.placement!r} is uneven over {world_size} ranks: {p.text}; pad dim "
                     f"{dim} ({p.shape[dim]}) to a multiple of {world_size}, or choose a mesh size "
                     "that divides it.")))
-    return _once(found)
+    return once(found)
 
 
 def replicated_heads(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
@@ -154,7 +146,7 @@ def replicated_heads(module: nn.Module, world_size: int, mounts: dict, shown=Non
                 f"(colwise(heads={n})), whose copies each see their own ranks' query heads, so at the end of "
                 f"the backward the gradients of the {len(params)} replicated parameter{'s' * (len(params) != 1)} "
                 f"({numel // n} elements per rank) are summed within each group, in one all-reduce.")))
-    return _once(found)
+    return once(found)
 
 
 def _global(sub, fqn, module, value, kv, widths, size):
@@ -231,7 +223,7 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 else:
                     continue
                 found.append((generalize(fqn) + "." + attr, start + problem))
-    return _once(found)
+    return once(found)
 
 
 def _ratios(sub: nn.Module, fqn: str, world_size: int, cores: dict, shown, local_here: set) -> list:
@@ -314,7 +306,7 @@ def fused(module: nn.Module, world_size: int, mounts: dict) -> list:
                 f"computes attention on the wrong features, silently; use {fix}, which gives each "
                 "rank its slice of q, of k and of v.")
             found.append((generalize(fqn) + "." + name, sentence))
-    return _once(found)
+    return once(found)
 
 
 def _sharded(module: nn.Module, prefix: str, rows: dict) -> dict:
@@ -357,7 +349,7 @@ def siblings(module: nn.Module, rows) -> list:
                     f"{describe(module.get_submodule(m), m)} keeps {', '.join(names)} whole on every "
                     f"rank while its sibling {other!r} shards {'it' if len(names) == 1 else 'them'} "
                     f"({how}); bind {m!r} in the plan too, or leave both unsharded.")))
-    return _once(found)
+    return once(found)
 
 
 def _reader(exc: BaseException) -> str:

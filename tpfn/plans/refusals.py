@@ -25,7 +25,7 @@ from tpfn.layout import Partial, Shard
 from tpfn.plans.kinds import Conv1D
 
 __all__ = ["refusals", "tied_outside", "local_colwise", "linear_width", "part_widths", "projected_heads",
-           "split_heads"]
+           "split_heads", "once"]
 
 
 def refusals(modules: dict, bound: tuple, n: int | None = None) -> list:
@@ -78,7 +78,7 @@ def split_heads(modules: dict, bound, n: int) -> list:
     """Column-wise projections of an attention whose heads (or KV heads) ``n`` ranks cannot
     split into whole heads each: its view of their local shards by its head size would fail
     with a bare shape error. Repeated blocks are said once, with their count."""
-    mounts, found = {m.fqn: m for m in bound}, {}
+    mounts, found = {m.fqn: m for m in bound}, []
     for fqn, sub in modules.items():
         counts = projected_heads(sub, fqn, mounts)
         most = max((h for h, _ in counts), default=0)  # the query heads, where fewer are KV heads
@@ -96,8 +96,17 @@ def split_heads(modules: dict, bound, n: int) -> list:
                            f"mesh size that divides {h}")
             who, many = f"{', '.join(map(repr, names))} of {describe(sub, fqn)}", len(names) != 1
             sentence = f"{who} project{'' if many else 's'} {h} heads of {sub.head_dim} features: {problem}."
-            found.setdefault(generalize(fqn) + str(h), [sentence, 0])[1] += 1
-    return [s if k == 1 else f"{s[:-1]} (and {k - 1} more like it)." for s, k in found.values()]
+            found.append((generalize(fqn) + str(h), sentence))
+    return once(found)
+
+
+def once(found: list) -> list:
+    """One sentence per key of ``found`` (``(key, sentence)`` pairs), counting the modules
+    behind it: repeated blocks are said once."""
+    seen: dict = {}
+    for key, sentence in found:
+        seen.setdefault(key, [sentence, 0])[1] += 1
+    return [s if n == 1 else f"{s[:-1]} (and {n - 1} more like it)." for s, n in seen.values()]
 
 
 def _fully_sharded(modules: dict) -> list:
