@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode, grouped_mm_op
-from tpfn.dryrun.explain import meta_copy, tensors
+from tpfn.dryrun.explain import meta_copy
 
 __all__ = ["Hybrid", "hybrid_copy", "real"]
 
@@ -49,6 +49,16 @@ def real(x):
     if x.requires_grad:
         return torch.empty_like(x, device="meta").requires_grad_()
     return x.detach().to("cpu", copy=True)
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, dict):
+        return [t for item in x.values() for t in _tensors(item)]
+    return []
 
 
 def _to_meta(x):
@@ -81,7 +91,7 @@ class Hybrid(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        found = tensors((args, kwargs))
+        found = _tensors(args) + _tensors(kwargs)
         meta = self.values and str(kwargs.get("device")) == "meta" or self.values and (
             name in _SHAPED and "device" not in kwargs and found and found[0].is_meta)
         if meta and (not found or name in _SHAPED):  # arange(n, device=x.device), x.new_ones(...)

@@ -24,7 +24,6 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode
-from tpfn.dryrun.explain import tensors
 from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
 from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
@@ -275,10 +274,21 @@ def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
     finally:
         for h in handles:
             h.remove()
-    results = tensors(out)
+    results = _outputs(out)
     for t in results:
         held = held_spaces(tracer.dims(t))
         if held:
             tracer.spaces.fail(held, "they reach the model's output")
     return Flow(tracer.spaces, tracer.calls, tracer.ops, tracer.named, tracer.firsts,
                 [(tuple(t.shape), t.element_size()) for t in results])
+
+
+def _outputs(out) -> list:
+    """The tensors of a model's output (tensors, tuples, lists, dicts and their subclasses)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _outputs(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _outputs(v)]
+    return []
