@@ -289,6 +289,74 @@ def test_a_slow_rank_after_a_caught_error_is_waited_for(fresh2):
     assert max(fresh2.run(_slow_after_a_caught_error)) < 1e-6
 
 
+class _TakenBackWhileRead:
+    """The store as a reader sees it when the rank that told of an error takes it back between
+    the reader's check of the key and its read of it."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def check(self, keys):
+        from tpfn import bounded
+
+        seen = self.store.check(keys)
+        bounded._retract()
+        return seen
+
+    def get(self, key):
+        return self.store.get(key)
+
+
+def test_an_error_taken_back_while_another_rank_reads_it_never_makes_it_wait(monkeypatch):
+    """A read of a key deleted since its check would wait for the store's timeout (and the
+    collective meanwhile for its bound): a taken-back error is emptied, never deleted."""
+    from tpfn import bounded
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    monkeypatch.setattr(bounded.Bound, "_issued", lambda self: 3)
+    teller, reader = object.__new__(bounded.Bound), object.__new__(bounded.Bound)
+    teller.store, teller.rank = store, 0
+    reader.store, reader.rank, reader.group = _TakenBackWhileRead(store), 1, type("Group", (), {"size": lambda self: 2})()
+    bounded.announce(TypeError("told"), teller)
+    start = time.monotonic()
+    assert reader._raised(4) is None and time.monotonic() - start < 1
+    bounded.announce(TypeError("told again"), teller)
+    reader.store = store
+    assert reader._raised(4) == (0, "TypeError: told again")
+    bounded._retract()
+
+
+class _Work:
+    """A collective that completes at ``done`` (monotonic seconds); each wait passes a slice."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def is_completed(self):
+        return time.monotonic() >= self.done
+
+    def wait(self, timeout):
+        time.sleep(timeout.total_seconds())
+        if not self.is_completed():
+            raise RuntimeError("Operation timed out!")
+
+
+def test_a_collective_done_while_the_store_was_read_is_not_called_stalled(monkeypatch):
+    """A wait whose reading of the store outlasts the bound returns where the collective completed."""
+    from tpfn import bounded
+
+    bound = object.__new__(bounded.Bound)
+    bound.seconds, bound.sliced, bound.slice, bound.rank = 0.4, True, datetime.timedelta(seconds=0.1), 0
+    monkeypatch.setattr(bounded.Bound, "_issued", lambda self: 1)
+    monkeypatch.setattr(bounded.Bound, "_post", lambda self, kind, value: None)
+    monkeypatch.setattr(bounded.Bound, "_raised", lambda self, k: time.sleep(0.5))  # a slow store
+    bound.wait(_Work(time.monotonic() + 0.3))  # completes during the read, the bound passed after it
+    with pytest.raises(bounded.Stalled, match="^it did not complete within 0.4 s$"):
+        monkeypatch.setattr(bounded.Bound, "_missing", lambda self, k: [1])
+        bound.wait(_Work(time.monotonic() + 60))
+
+
 def _dies_before_parallelize():
     mesh = _mesh()
     if dist.get_rank() == 0:

@@ -159,7 +159,7 @@ class Bound:
             seen = None if not raised else seen or time.monotonic()
             if seen is not None and time.monotonic() - seen >= min(PATIENCE, self.seconds / 4):
                 raise Stalled(raised[1], raised)
-            if time.monotonic() - start >= self.seconds:
+            if time.monotonic() - start >= self.seconds and not work.is_completed():  # (done while read)
                 raise Stalled(f"it did not complete within {self.seconds:g} s", None, self._missing(k))
             try:
                 work.wait(self.slice)
@@ -299,11 +299,13 @@ def announce(error: BaseException, bound: Bound | None) -> None:
 
 
 def _retract() -> None:
-    """Take back the errors this rank told of: it issues collectives again (it caught them)."""
+    """Take back the errors this rank told of: it issues collectives again (it caught them).
+    The key is emptied, never deleted: another rank may be between seeing it and reading it,
+    and a read of a deleted key waits for the store's timeout."""
     while _TOLD:
         store, key = _TOLD.pop()
         with contextlib.suppress(Exception):
-            store.delete_key(key)
+            store.set(key, "")
 
 
 # --- the plain collectives: one c10d collective each, waited with the bound ------------------
