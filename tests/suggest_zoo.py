@@ -8,7 +8,7 @@ with ``tpfn.parallelize(model, mesh, tpfn.suggest(model, n))`` and, where the mo
 a plan, with ``tpfn.from_hf(model.tp_plan, model)``, each compared with one device, with the
 collectives of one step (``tpfn.record``) and the share of parameter bytes each plan shards.
 ``tools/suggest_sweep.py`` runs every type and prints the table of docs/suggest.md;
-``tests/test_suggest_models.py`` runs GPT-2, BERT, T5, OPT, BLOOM and Llama in CI.
+``tests/test_suggest_models.py`` runs GPT-2, BERT, T5, OPT, BLOOM, Llama and Mixtral in CI.
 """
 
 from __future__ import annotations

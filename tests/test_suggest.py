@@ -400,3 +400,86 @@ def test_dry_runs_keep_the_values_of_inputs_and_a_meta_value_written_into_one_is
         filled[0].copy_(weight)                                  # a weight's value written in
         assert (filled + 1).is_meta and not (mask + 1).is_meta   # ... is unknown from then on
         assert (mask * weight).is_meta
+
+
+class _Experts(nn.Module):
+    """Experts laid out as transformers' ``use_experts_implementation`` holds them."""
+
+    def __init__(self, experts=4, hidden=16, features=32, gate=True, bias=False, transposed=False, norm=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden) if norm else None
+        self.has_gate, self.has_bias, self.is_transposed = gate, bias, transposed
+        up = (experts, hidden, (1 + gate) * features) if transposed else (experts, (1 + gate) * features, hidden)
+        down = (experts, features, hidden) if transposed else (experts, hidden, features)
+        setattr(self, "gate_up_proj" if gate else "up_proj", nn.Parameter(torch.randn(up)))
+        self.down_proj = nn.Parameter(torch.randn(down))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        up = self.gate_up_proj if self.has_gate else self.up_proj
+        for k in range(top_k_index.shape[-1]):
+            w_up, w_down = up[top_k_index[:, k]], self.down_proj[top_k_index[:, k]]
+            if not self.is_transposed:
+                w_up, w_down = w_up.transpose(1, 2), w_down.transpose(1, 2)
+            h = torch.bmm(hidden_states[:, None], w_up)[:, 0]
+            if self.has_gate:
+                gate, h = h.chunk(2, dim=-1)
+                h = F.silu(gate) * h
+            h = torch.bmm(h[:, None], w_down)[:, 0]
+            out = out + top_k_weights[:, k, None] * (h if self.norm is None else self.norm(h))
+        return out
+
+
+class _MoE(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = _Experts(**kwargs)
+
+    def forward(self, x):
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, index, weights)
+
+
+_LAYOUTS = [({}, "gate_up_proj=Shard(dim=1, parts=2)", "down_proj=Shard(dim=2)"),
+            ({"transposed": True}, "gate_up_proj=Shard(dim=2, parts=2)", "down_proj=Shard(dim=1)"),
+            ({"gate": False}, "up_proj=Shard(dim=1)", "down_proj=Shard(dim=2)")]
+
+
+@pytest.mark.parametrize("kwargs, up, down", _LAYOUTS)
+def test_fused_experts_hold_a_share_of_every_experts_features_at_one_devices_numbers(ranks2, kwargs, up, down):
+    p = tpfn.suggest(_MoE(**kwargs), 2, example_inputs=torch.randn(6, 16))
+    assert f"'experts': params({', '.join(sorted([up, down]))}) >> on_shards(Replicate(), None, Replicate(), " \
+           "grads=Partial(), output=Partial()) >> prepare_out(Replicate())" in repr(p), repr(p)
+    assert notes(p)["experts"] == "sharded on each expert's 32 features, its output all-reduced (transformers' " \
+                                  "'moe_tp_experts')"
+    found = ranks2.run(_moe_step, kwargs, p)
+    for errors, forward, backward in found:
+        assert max(errors.values()) < TOL, {k: v for k, v in errors.items() if v >= TOL}
+    # forward: the experts' output; backward: the gradients of the tokens and of the routing weights
+    assert found[0][1] == {"all_reduce": 1} and found[0][2] == {"all_reduce": 2}
+
+
+def _moe_step(kwargs, p):
+    from tests.ranks import mesh
+
+    torch.manual_seed(0)
+    ref = _MoE(**kwargs)
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), p)
+    return one_step(tp, ref, torch.randn(6, 16))
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"bias": True}, "its experts have biases, which a sum over the ranks would count once per rank"),
+    ({"features": 3}, "its 3 features per expert do not split over 2 ranks"),
+    ({"norm": True}, "its forward runs 'norm' (LayerNorm), which may compute on each expert's output, a partial "
+                     "sum while the features are sharded"),
+    ({"tied": True}, "its weights are tied to another module's")])
+def test_experts_that_cannot_be_sharded_stay_whole_with_the_reason(kwargs, why):
+    model = _MoE(**{k: v for k, v in kwargs.items() if k != "tied"})
+    if kwargs.get("tied"):
+        model.shared = _Experts()
+        model.shared.down_proj = model.experts.down_proj
+    with pytest.warns(UserWarning, match="the plan binds no module of _MoE: parallelize shards nothing"):
+        p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
+    assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"

@@ -1,5 +1,5 @@
-"""tpfn.suggest on GPT-2, BERT, T5, OPT, BLOOM and a Llama, none of which but Llama declares a
-plan: each tiny model (``tests/suggest_zoo.py``) with the plan suggest derives, on 2 gloo
+"""tpfn.suggest on GPT-2, BERT, T5, OPT, BLOOM, a Llama and a Mixtral (its fused experts), none
+of which but Llama and Mixtral declares a plan: each tiny model (``tests/suggest_zoo.py``) with the plan suggest derives, on 2 gloo
 ranks and on 4, against one device: the output, every gradient, and every parameter after
 one SGD step. All run in one call to the session's ranks per mesh size.
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests import hf_zoo, suggest_zoo
 
-MODELS = ("gpt2", "bert", "t5", "opt", "bloom", "llama")
+MODELS = ("gpt2", "bert", "t5", "opt", "bloom", "llama", "mixtral")
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "suggest.md"
 
 

@@ -49,7 +49,7 @@ from tpfn.style.constructors import (
     sequence_parallel,
 )
 
-__all__ = ["from_hf", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
+__all__ = ["from_hf", "experts", "MODULE_STYLES", "PARAM_RULES", "UNSUPPORTED", "KNOWN"]
 
 _GATHERED = colwise() >> prepare_out(Replicate())
 _SPLIT_INPUT = prepare_in(Replicate()) >> rowwise()
@@ -203,13 +203,21 @@ def _module_style(string, module: nn.Module, own: dict, where: str, found: list)
         # which sum the vocabulary shards where they need to: take the output as it comes.
         core = prepare_in(Replicate()) >> params(weight=Shard(0)) >> prepare_out(Replicate())
     elif string == "moe_tp_experts":
-        names, _, star = forward_names(module)
-        routed = star or len(names) >= 3  # (hidden_states, top_k_index, top_k_weights)
-        core = on_shards(*((Replicate(), None, Replicate()) if routed else (Replicate(),)),
-                         grads=Partial(), output=Partial()) >> prepare_out(Replicate())
+        core = experts(module)
     else:
         core = MODULE_STYLES[string]
     return params(**placed) >> core if placed else core
+
+
+def experts(module: nn.Module):
+    """The core of 'moe_tp_experts' on ``module``, an experts module whose parameters each
+    rank holds a share of the features of: its replicated inputs computed on locally (the
+    routing, where it takes it, as it comes), its output and its inputs' gradients partial
+    sums, the output summed into a replicated one."""
+    names, _, star = forward_names(module)
+    routed = star or len(names) >= 3  # (hidden_states, top_k_index, top_k_weights)
+    return on_shards(*((Replicate(), None, Replicate()) if routed else (Replicate(),)),
+                     grads=Partial(), output=Partial()) >> prepare_out(Replicate())
 
 
 # The attribute of an attention module that holds its query heads per key/value head.

@@ -35,6 +35,7 @@ from tpfn.style.constructors import rowwise
 from tpfn.suggest.check import check
 from tpfn.suggest.choose import sequence_parallel, standalone
 from tpfn.suggest.emit import assemble, general, maker
+from tpfn.suggest.experts import experts
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.hybrid import hybrid_copy
 from tpfn.suggest.inputs import example
@@ -134,7 +135,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
                     pairs.setdefault(r.makers, r)
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)}
-        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine)
+        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine) + experts(meta, n, whole)
         extra = _extra(held, groups)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, extra)
         failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
