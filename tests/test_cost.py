@@ -11,7 +11,7 @@ import tpfn
 from tests.models import local_heads, transformer, transformer_plan
 from tests.ranks import mesh
 from tpfn import colwise, rowwise
-from tpfn.dryrun.cost import ADAM_PASSES, Link, Machine, Phase, StepTime, calibrate, predict
+from tpfn.dryrun.cost import ADAM_PASSES, SIZES, Link, Machine, Phase, StepTime, calibrate, predict
 from tpfn.dryrun.work import Work, count
 
 MLP_PLAN = {"0": colwise(), "2": rowwise()}
@@ -108,3 +108,19 @@ def test_a_machine_is_measured_once_and_every_rank_takes_rank_0s_figures(ranks2)
     assert machine.flops > 1e8 and machine.bandwidth > 1e7 and machine.op > 0
     assert {kind for kind, _ in machine.links} == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(link.latency >= 0 and link.bandwidth > 0 for _, link in machine.links)
+    for _, link in machine.links:  # each kind timed at every size, a larger one never cheaper, on these ranks
+        sent = [b for b, _ in link.measured]
+        took = [t for _, t in link.measured]
+        assert link.ranks == 2 and len(sent) == len(SIZES) and sent == sorted(sent) and took == sorted(took)
+    assert eval(repr(machine)) == machine
+
+
+def test_a_measured_link_is_read_between_its_points_and_the_ring_model_elsewhere():
+    link = Link(1e-4, 1e9, measured=((1e3, 2e-4), (1e6, 3e-3), (4e6, 5e-3)), ranks=2)
+    assert link.seconds(2, 1e6) == 3e-3 and link.seconds(2, 2.5e6) == pytest.approx(4e-3)
+    assert link.seconds(2, 5e5) == pytest.approx(2e-4 + 2.8e-3 * (5e5 - 1e3) / (1e6 - 1e3))
+    assert link.seconds(2, 5e6) == pytest.approx(5e-3 + 1e6 / 1e9)  # past the last point: its bandwidth
+    assert link.seconds(2, 100) == pytest.approx(2e-4 + 100 / 1e9)  # below the first: the ring model
+    assert link.seconds(6, 1e6, n=4) == pytest.approx(6e-4 + 1e6 / 1e9)  # measured among 2 ranks, not 4
+    machine = Machine(1e9, 1e8, 1e-5, links=(("all_reduce", link),))
+    assert machine.collective("all_reduce", 2, 1e6) == 3e-3 and eval(repr(machine)) == machine

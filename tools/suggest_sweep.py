@@ -119,6 +119,7 @@ def summary(found: dict) -> str:
     more = [t for t in both if sum(t["suggest"]["collectives"].values()) > sum(t["hf"]["collectives"].values())]
     wider = sum(t["suggest"]["share"] > t["hf"]["share"] for t in more)
     mine, theirs = (sorted(t[w]["share"] for t in both) for w in ("suggest", "hf"))
+    total = {w: sum(sum(t[w]["collectives"].values()) for t in both) for w in ("suggest", "hf")}
     medians = (f" (a median {round(100 * mine[len(mine) // 2])}% of the parameter bytes sharded against "
                f"from_hf's {round(100 * theirs[len(theirs) // 2])}%)") if both else ""
     return (f"{len(found)} model types; {len(runs)} build tiny and run on token ids ({skipped} do not, "
@@ -127,7 +128,8 @@ def summary(found: dict) -> str:
             f"bytes. With one: {len(planned)}, suggest at parity on {parity(planned)}, from_hf on "
             f"{parity(planned, 'hf')}; where both are{medians}, suggest's plan issues no more collectives per "
             f"step (on 2 ranks) on {len(both) - len(more)} of {len(both)}, and on {wider} of the other "
-            f"{len(more)} it shards more of the parameter bytes than from_hf's.")
+            f"{len(more)} it shards more of the parameter bytes than from_hf's; in all, "
+            f"{total['suggest']:,} collectives per step against from_hf's {total['hf']:,}.")
 
 
 def write_docs(found: dict, command: str, seconds: float) -> None:

@@ -3,14 +3,16 @@
 A ``Machine`` is what one rank's device and the links between ranks sustain: ``flops``
 (FLOP/s of matrix products), ``bandwidth`` (bytes/s of the other ops), ``op`` (seconds each op
 costs beyond its work: dispatch, launch, the framework's code around it), and a ``Link`` per
-collective kind (seconds per ring step, bytes/s a rank sends). ``calibrate(mesh)`` measures
-them on the ranks of ``mesh``; figures from elsewhere can be written as a ``Machine`` value.
+collective kind (seconds per ring step, bytes/s a rank sends, and the times measured at
+sizes from 4 KiB to 16 MiB). ``calibrate(mesh)`` measures them on the ranks of ``mesh``;
+figures from elsewhere can be written as a ``Machine`` value.
 
 ``predict(report, machine)`` reads a ``tpfn.explain`` report: each phase's local work
 (``tpfn.dryrun.work``) takes ``flops / machine.flops + bytes / machine.bandwidth + ops *
-machine.op``, each collective ``steps * latency + bytes / bandwidth`` of its kind's link (the
-ring model: an all-reduce takes ``2(n-1)`` steps, the others ``n-1``; ``bytes`` as the report
-counts them), and Adam's step reads and writes seven times each rank's parameter bytes.
+machine.op``, each collective the time its kind's link took at that size (interpolated
+between the sizes measured), else ``steps * latency + bytes / bandwidth`` (the ring model: an
+all-reduce takes ``2(n-1)`` steps, the others ``n-1``; ``bytes`` as the report counts them),
+and Adam's step reads and writes seven times each rank's parameter bytes.
 Nothing is assumed to overlap: on a few CPU cores gloo's transfers are work for the cores
 that compute (docs/performance.md).
 
@@ -31,16 +33,39 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "Machine", "Phase", "StepTime", "calibrate", "predict"]
+__all__ = ["Link", "Machine", "Phase", "StepTime", "SIZES", "calibrate", "predict"]
 
 
 @attrs.frozen
 class Link:
     """One collective kind between the ranks: ``latency`` seconds per ring step and the
-    ``bandwidth`` in bytes/s at which a rank sends."""
+    ``bandwidth`` in bytes/s at which a rank sends (the ring model). ``measured``: the seconds
+    it took among ``ranks`` ranks, as ``(bytes a rank sent, seconds)`` pairs by size; where
+    given, a collective among that many ranks takes the time interpolated between them (its
+    cost is seldom linear in its bytes: gloo's on a few CPU cores climbs by half a millisecond
+    from 256 KiB to 512 KiB), and the ring model beyond them.
+
+    >>> link = Link(1e-4, 1e9, measured=((1e3, 1e-4), (1e6, 3e-3)), ranks=2)
+    >>> round(link.seconds(2, 5.005e5) * 1e3, 3), round(link.seconds(2, 2e6) * 1e3, 3)
+    (1.55, 4.0)
+    """
 
     latency: float
     bandwidth: float
+    measured: tuple = ()
+    ranks: int = 0
+
+    def seconds(self, steps: int, sent: float, n: int | None = None) -> float:
+        """Seconds of one collective of ``steps`` ring steps among ``n`` ranks in which a rank sends
+        ``sent`` bytes."""
+        points = self.measured if n in (None, self.ranks) else ()
+        if not points or sent < points[0][0]:
+            return steps * self.latency + sent / self.bandwidth
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if sent <= b1:
+                return t0 + (t1 - t0) * (sent - b0) / (b1 - b0)
+        last, took = points[-1]
+        return took + (sent - last) / self.bandwidth
 
 
 def _ring_steps(kind: str, n: int) -> int:
@@ -71,7 +96,7 @@ class Machine:
             raise ValueError(f"this Machine has no link figures for {kind!r} (it has "
                              f"{', '.join(k for k, _ in self.links) or 'none'}); calibrate it on "
                              "a mesh, or give Link(latency, bandwidth) for it.")
-        return _ring_steps(kind, n) * link.latency + float(sent) / link.bandwidth
+        return link.seconds(_ring_steps(kind, n), float(sent), n)
 
     def optimizer(self, param_bytes) -> float:
         """Seconds of Adam's step on a rank that holds ``param_bytes`` of parameters: it reads
@@ -159,7 +184,7 @@ def calibrate(mesh, *, repeats: int = 20, size: int = 1 << 20) -> Machine:
     """Measure a ``Machine`` on the ranks of the 1-D ``mesh`` (call it on every rank; every rank
     returns rank 0's figures): a 1024-cube matrix product, an addition over ``size``-element
     tensors, a forward and backward of small layers for the cost per op, and each collective
-    kind at two sizes between two pieces of local work, for its link as a step sees it.
+    kind at each of ``SIZES`` between two pieces of local work, for its link as a step sees it.
 
     >>> from torch.distributed.device_mesh import init_device_mesh
     >>> machine = calibrate(init_device_mesh("cpu", (1,)), repeats=2)
@@ -182,29 +207,42 @@ def calibrate(mesh, *, repeats: int = 20, size: int = 1 << 20) -> Machine:
     seconds = _seconds(step, repeats, sync)
     op = max(seconds - work.flops / flops - work.bytes / bandwidth, 0.0) / work.ops
     links = tuple((kind, _link(kind, mesh, repeats, sync)) for kind in ("all_reduce", "all_gather", "reduce_scatter"))
-    figures = [flops, bandwidth, op, *(v for _, link in links for v in (link.latency, link.bandwidth))]
+    figures = [flops, bandwidth, op, *(v for _, link in links for v in (
+        link.latency, link.bandwidth, *(x for point in link.measured for x in point)))]
     if mesh.size() > 1:  # every rank takes rank 0's figures
         shared = torch.tensor(figures, dtype=torch.float64, device=device)
         dist.broadcast(shared, group=mesh.get_group(), group_src=0)
         figures = shared.tolist()
     flops, bandwidth, op, *rest = figures
-    return Machine(flops, bandwidth, op, tuple(
-        (kind, Link(rest[2 * i], rest[2 * i + 1])) for i, (kind, _) in enumerate(links)))
+    width = 2 + 2 * len(links[0][1].measured)  # (each link measured at the same sizes)
+    return Machine(flops, bandwidth, op, tuple((kind, _unpacked(rest[i * width:(i + 1) * width], mesh.size()))
+                                               for i, (kind, _) in enumerate(links)))
+
+
+def _unpacked(figures: list, n: int) -> Link:
+    latency, bandwidth, *flat = figures
+    return Link(latency, bandwidth, tuple(zip(flat[::2], flat[1::2])), n if flat else 0)
+
+
+SIZES = tuple(1 << k for k in range(10, 23))  # elements (float32) of the whole tensor: 4 KiB to 16 MiB
 
 
 def _link(kind: str, mesh, repeats: int, sync) -> Link:
     """``kind``'s link on ``mesh``: the time one collective adds between two pieces of local work
-    (as inside a step: the transfer and the wait for the slower rank), at 4 KiB and 4 MiB of
-    whole tensor."""
+    the size of a layer's (as inside a step: the transfer, the wait for the slower rank, and
+    caches the work has filled with other data) at each of ``SIZES``, a larger one never taken
+    to cost less; the ring model fitted on the smallest and the largest."""
     n, group = mesh.size(), mesh.get_group()
     if n == 1:
         return Link(0.0, float("inf"))
-    a = torch.randn(256, 256, device=mesh.device_type)
-    work = lambda: a @ a  # noqa: E731
+    device = mesh.device_type
+    x, w = torch.randn(512, 256, device=device), torch.randn(256, 1024, device=device)
+    y, z = torch.randn(1 << 21, device=device), torch.randn(1 << 21, device=device)
+    work = lambda: (x @ w, y + z)  # noqa: E731  (a layer's matrix product, 24 MiB read and written)
     dist.barrier(group=group)
     alone = _seconds(work, repeats, sync)
-    times, sent = [], []
-    for numel in (1024, 1 << 20):  # elements of the whole tensor (float32)
+    measured, took = [], 0.0
+    for numel in SIZES:
         whole = torch.randn(numel, device=mesh.device_type)
         piece = whole[: numel // n].clone()
         if kind == "all_reduce":
@@ -213,9 +251,11 @@ def _link(kind: str, mesh, repeats: int, sync) -> Link:
             collective = lambda: dist.all_gather_into_tensor(whole, piece, group=group)  # noqa: E731
         else:
             collective = lambda: dist.reduce_scatter_tensor(piece, whole, group=group)  # noqa: E731
-        sent.append(_ring_steps(kind, n) / n * whole.nbytes if kind == "all_reduce" else (n - 1) / n * whole.nbytes)
+        sent = (_ring_steps(kind, n) if kind == "all_reduce" else n - 1) / n * whole.nbytes
         dist.barrier(group=group)
-        times.append(max(_seconds(lambda: (work(), collective()), repeats, sync) - alone, 0.0))
-    bandwidth = (sent[1] - sent[0]) / max(times[1] - times[0], 1e-9)
-    latency = max(times[0] - sent[0] / bandwidth, 0.0) / _ring_steps(kind, n)
-    return Link(latency, bandwidth)
+        took = max(_seconds(lambda: (work(), collective()), repeats, sync) - alone, took)
+        measured.append((sent, took))
+    (b0, t0), (b1, t1) = measured[0], measured[-1]
+    bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
+    latency = max(t0 - b0 / bandwidth, 0.0) / _ring_steps(kind, n)
+    return Link(latency, bandwidth, tuple(measured), n)
