@@ -42,7 +42,7 @@ class Link:
     ``bandwidth`` in bytes/s at which a rank sends (the ring model). ``measured``: the seconds
     it took among ``ranks`` ranks, as ``(bytes a rank sent, seconds)`` pairs by size; where
     given, a collective among that many ranks takes the time interpolated between them (its
-    cost is seldom linear in its bytes: gloo's on a few CPU cores climbs by half a millisecond
+    cost is seldom linear in its bytes: gloo's all-reduce on 2 CPU cores more than doubled
     from 256 KiB to 512 KiB), and the ring model beyond them.
 
     >>> link = Link(1e-4, 1e9, measured=((1e3, 1e-4), (1e6, 3e-3)), ranks=2)

@@ -28,6 +28,8 @@ params(down_proj=Shard(dim=2), gate_up_proj=Shard(dim=1, parts=2)) >> on_shards(
 
 from __future__ import annotations
 
+import collections
+
 import torch.nn as nn
 
 from tpfn.adapters.from_hf import experts as experts_core
@@ -40,9 +42,8 @@ __all__ = ["experts"]
 
 
 def _weights(module: nn.Module):
-    """``(packed, up, down)`` of a fused experts module: the name of its up projection, whether
-    it packs the gate's half with it, and its down projection's 3-D parameter; None where
-    ``module`` is no such module."""
+    """``(up, w_up, w_down)`` of a fused experts module: the name of its up projection and the
+    3-D parameters of its up and down projections; None where ``module`` is no such module."""
     if not all(isinstance(getattr(module, a, None), bool) for a in ("has_gate", "is_transposed")):
         return None
     up = "gate_up_proj" if module.has_gate else "up_proj"
@@ -84,10 +85,8 @@ def _why_whole(module: nn.Module, up: str, w_up, w_down, n: int, tied: set) -> s
 def experts(model: nn.Module, n: int, whole: dict) -> list:
     """A ``Choice`` for each fused experts module of ``model`` on ``n`` ranks: sharded on its
     features, or left whole with the reason (``whole``: module -> why it failed before)."""
-    found, holders = [], {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        holders[id(p)] = holders.get(id(p), 0) + 1
-    tied = {k for k, count in holders.items() if count > 1}
+    holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied, found = {k for k, count in holders.items() if count > 1}, []
     for fqn, module in model.named_modules():
         weights = _weights(module)
         if weights is None:
