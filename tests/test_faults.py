@@ -357,6 +357,41 @@ def test_a_collective_done_while_the_store_was_read_is_not_called_stalled(monkey
         bound.wait(_Work(time.monotonic() + 60))
 
 
+class _DoneAsASliceEnds:
+    """A collective that completes as this rank's ``n``-th slice gives up on it: that wait
+    raises the slice's "timed out", and ``is_completed()`` then says done (``error``: it
+    completed with that error, as where a peer's connection closed)."""
+
+    def __init__(self, n, error=None):
+        self.n, self.error, self.waits = n, error, 0
+
+    def is_completed(self):
+        return self.waits >= self.n
+
+    def wait(self, timeout):
+        self.waits += 1
+        if self.waits <= self.n:
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_a_collective_done_as_a_slice_ends_is_not_called_failed(monkeypatch):
+    """The slice's own "timed out" is no failure of the collective: its wait says how it ended."""
+    from tpfn import bounded
+
+    bound = object.__new__(bounded.Bound)
+    bound.seconds, bound.sliced, bound.slice, bound.rank = 60.0, True, datetime.timedelta(seconds=0.01), 0
+    for kind, value in (("_issued", lambda self: 1), ("_post", lambda self, kind, value: None),
+                        ("_raised", lambda self, k: None), ("_missing", lambda self, k: [1])):
+        monkeypatch.setattr(bounded.Bound, kind, value)
+    for n in (1, 3):  # the first slice (no store read yet), a later one
+        bound.wait(_DoneAsASliceEnds(n))
+        with pytest.raises(bounded.Stalled, match="^Connection closed by peer$"):
+            bound.wait(_DoneAsASliceEnds(n, "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer. "))
+
+
 def _dies_before_parallelize():
     mesh = _mesh()
     if dist.get_rank() == 0:

@@ -146,11 +146,10 @@ class Bound:
             work.wait()
             return
         try:
-            work.wait(self.slice)
-            return
+            if self._slice(work):
+                return
         except RuntimeError as error:
-            if work.is_completed():
-                raise self.blame(error) from error
+            raise self.blame(error) from error
         start, k = time.monotonic() - self.slice.total_seconds(), self._issued()
         self._post("at", k)
         seen = None  # since when another rank's error has stood
@@ -162,11 +161,23 @@ class Bound:
             if time.monotonic() - start >= self.seconds and not work.is_completed():  # (done while read)
                 raise Stalled(f"it did not complete within {self.seconds:g} s", None, self._missing(k))
             try:
-                work.wait(self.slice)
-                return
+                if self._slice(work):
+                    return
             except RuntimeError as error:
-                if work.is_completed():
-                    raise self.blame(error, k) from error
+                raise self.blame(error, k) from error
+
+    def _slice(self, work) -> bool:
+        """Wait for ``work`` a slice: True where it completed, False where it still runs; the
+        backend's error where it failed. A slice that ends as the collective completes raises
+        the slice's "timed out" although the work is done: its own wait then says which."""
+        try:
+            work.wait(self.slice)
+            return True
+        except RuntimeError:
+            if not work.is_completed():
+                return False
+        work.wait(self.slice)  # (done: returns at once, or raises the work's own error)
+        return True
 
     def blame(self, error: BaseException, k: int | None = None) -> Stalled:
         """``error``, the backend's failure of this rank's ``k``-th collective on the group (by
