@@ -273,6 +273,25 @@ def test_lora_adapters_shard_by_their_base_and_train_as_one_device(ranks2, tmp_p
                                                         "adapter_model.safetensors"]
 
 
+def _lora_at_more_ranks_than_kv_heads():
+    _, single = _lora_llama()
+    expected = _lora_steps(single)
+    inner, peft_model = _lora_llama()
+    plan = tpfn.from_hf(inner.tp_plan, inner)
+    tpfn.parallelize(inner, mesh(4), plan)
+    v = inner.model.layers[0].self_attn.v_proj
+    held = [v.base_layer.weight.to_local().shape, v.lora_B["default"].weight.to_local().shape]
+    losses = _lora_steps(peft_model)
+    return held, max(abs(a - b) / b for a, b in zip(losses, expected)), max(max_rel_err(peft_model, single).values())
+
+
+def test_lora_on_kv_projections_at_more_ranks_than_kv_heads_trains_as_one_device(ranks4):
+    # 2 KV heads of 8 features on 4 ranks: v_proj's base and lora_B hold one head per rank pair,
+    # as k_proj (no adapter) does; 1e-5 is test_dp_tp's bar for three AdamW steps.
+    for held, loss_err, err in ranks4.run(_lora_at_more_ranks_than_kv_heads):
+        assert held == [(8, 32), (8, 4)] and loss_err <= 1e-5 and err <= 1e-5, (held, loss_err, err)
+
+
 class _Lora(nn.Module):
     """PEFT's shape of a LoRA layer, for the refusals."""
 

@@ -227,8 +227,9 @@ _GROUPS = "num_key_value_groups"
 def _kv_heads(fqn: str, modules: dict, model: nn.Module) -> int | None:
     """The number of key/value heads of the column-wise projection ``fqn`` where it projects the
     key or value heads of an attention module (its parent, holding an int ``head_dim``) whose
-    config has fewer of them than query heads; else None."""
+    config has fewer of them than query heads (a LoRA layer: its base's); else None."""
     parent, child = modules[fqn.rpartition(".")[0]], modules[fqn]
+    child = child.base_layer if is_lora(child) else child
     config = getattr(parent, "config", None) or getattr(model, "config", None)
     kv, heads = (getattr(config, n, None) for n in ("num_key_value_heads", "num_attention_heads"))
     size = vars(parent).get("head_dim")
