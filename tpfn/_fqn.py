@@ -10,7 +10,7 @@ import difflib
 import re
 from fnmatch import fnmatchcase
 
-__all__ = ["join", "generalize", "matches", "spell", "describe", "near"]
+__all__ = ["join", "generalize", "within", "matches", "spell", "describe", "near"]
 
 
 def join(*names: str) -> str:
@@ -21,6 +21,15 @@ def join(*names: str) -> str:
 def generalize(fqn: str) -> str:
     """The FQN with every list index as ``*`` (a plan's pattern for all the layers)."""
     return re.sub(r"(?<![^.])\d+(?![^.])", "*", fqn)
+
+
+def within(fqn: str, parent: str) -> bool:
+    """Whether module ``fqn`` is ``parent`` or lies inside it (the root, ``''``, holds every module).
+
+    >>> within("layers.0.w1", "layers.0"), within("layers.0", "layers.0"), within("layers.01", "layers.0")
+    (True, True, False)
+    """
+    return not parent or fqn == parent or fqn.startswith(parent + ".")
 
 
 def matches(pattern: str, fqn: str) -> bool:

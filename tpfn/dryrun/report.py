@@ -18,7 +18,7 @@ from collections import Counter
 import attrs
 import sympy
 
-from tpfn._fqn import generalize
+from tpfn._fqn import generalize, within as inside  # (``within``: a parameter below)
 from tpfn.algebra import AllGather, AllReduce, AllToAll, ReduceScatter, comm_bytes
 from tpfn.dryrun.html import html
 from tpfn.dryrun.table import EMPTY, cell, checked_width, flow, prose, render
@@ -250,8 +250,7 @@ class Report:
         """Bytes sent by module ``fqn`` (``within``: and its submodules; None: outside every
         module) in ``phase`` (None: both)."""
         def mine(c):
-            here = c.fqn == fqn or (within and c.fqn is not None and (
-                fqn == "" or c.fqn.startswith(fqn + ".")))
+            here = c.fqn == fqn or (within and c.fqn is not None and inside(c.fqn, fqn))
             return here and phase in (None, c.phase)
         return _total(c.bytes for c in self.comms if mine(c))
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from tpfn._fqn import describe, generalize, join
+from tpfn._fqn import describe, generalize, join, within
 from tpfn.dryrun.explain import floats, split_inputs, tensors
 from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.forked import on_ranks
@@ -483,8 +483,7 @@ def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
     gradients diverge. ``(fqn, error, forward)`` or None."""
     sources = [c for c in checks if c.ran and c.output is not None and not c.output <= tolerance
                and _inputs_agree(c.fqn, ref, ranks, tolerance)]
-    inner = [c for c in sources if not any(o.fqn.startswith(f"{c.fqn}.") or (not c.fqn and o.fqn)
-                                           for o in sources if o is not c)]
+    inner = [c for c in sources if not any(o.fqn != c.fqn and within(o.fqn, c.fqn) for o in sources if o is not c)]
     if inner:
         return inner[0].fqn, inner[0].output, True
     wrong = [c for c in checks if c.grad is not None and not c.grad <= tolerance]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from tpfn._fqn import describe, generalize, join
+from tpfn._fqn import describe, generalize, join, within
 from tpfn._torch import gradient_hooks, parameter, parameters_of
 from tpfn.layout import Partial, Shard
 from tpfn.plans.kinds import Conv1D
@@ -165,7 +165,7 @@ def tied_outside(modules: dict, bound) -> dict:
     inside = [m.fqn for m in bound]
     found = {}
     for fqn, sub in modules.items():
-        if any(fqn == f or not f or fqn.startswith(f + ".") for f in inside):
+        if any(within(fqn, f) for f in inside):
             continue  # a bound module's style governs what it and its submodules compute with
         for leaf, param in parameters_of(sub).items():
             held = placed.get(id(param)) if param is not None else None
@@ -181,7 +181,7 @@ def tied_outside(modules: dict, bound) -> dict:
 def _inside(fqn: str, parent: str) -> bool:
     """Whether module ``fqn`` lies within ``parent``: a parent that holds its child's parameter
     (BERT's ``cls.predictions.bias``, its decoder's) computes with it through the child."""
-    return fqn != parent and (not parent or fqn.startswith(parent + "."))
+    return fqn != parent and within(fqn, parent)
 
 
 def _hooks_on_partial_sums(modules: dict, bound, n: int | None) -> list:

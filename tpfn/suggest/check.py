@@ -26,7 +26,7 @@ import attrs
 import torch
 import torch.nn as nn
 
-from tpfn._fqn import generalize
+from tpfn._fqn import generalize, within
 from tpfn._torch import TorchDispatchMode
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.explain import floats
@@ -195,7 +195,7 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backw
                                "from its inputs took a value of its weights in place")
         except Exception as e:  # noqa: BLE001 - a run that fails: the module it fails in
             failed = failing_module(e, copy) or ""
-            around = [f for f in bound if f == failed or failed.startswith(f + ".") or not f]
+            around = [f for f in bound if within(failed, f)]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
             phase = "backward" if replay.done else "forward"
             why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import attrs
 
+from tpfn._fqn import within
+
 __all__ = ["Entry", "Group", "Refused", "decide"]
 
 
@@ -121,7 +123,7 @@ def _outside(partial: dict, members: list) -> str | None:
         while scope != parts[:len(scope)]:
             scope = scope[:-1]
     prefix = ".".join(scope)
-    return next((o for o in sorted(partial) if prefix and o != prefix and not o.startswith(prefix + ".")), None)
+    return next((o for o in sorted(partial) if prefix and not within(o, prefix)), None)
 
 
 def _shared(entries: dict, flow) -> tuple:

@@ -24,7 +24,7 @@ import attrs
 import torch.distributed as dist
 import torch.nn as nn
 
-from tpfn._fqn import generalize, join
+from tpfn._fqn import generalize, join, within
 from tpfn.dryrun.cost import Machine
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
@@ -217,7 +217,7 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
     for fqn, failure in failed.items():
         why = failure.why
         mine = [g for g in groups if fqn in g.modules] or [   # or the groups inside it (its sizes held)
-            g for g in groups if any(m.startswith(fqn + ".") or not fqn for m in g.modules)]
+            g for g in groups if any(within(m, fqn) for m in g.modules)]
         if fqn not in lone and not mine:
             whole.update({f: why for f in lone if f not in whole})
         for group in mine:
