@@ -372,9 +372,12 @@ def _chunk(x: torch.Tensor, dim: int, n: int, rank: int, wait: bool = True):
     return out if wait else lambda: out
 
 
-def barrier(bound: Bound) -> None:
-    """Wait until every rank of the group reaches it."""
-    bound.wait(bound.issue(bound.group.barrier, bound.options("barrier")))
+def barrier(what: str) -> None:
+    """Wait until every rank of the default group reaches it (nothing where torch.distributed
+    is not initialized); a ``CollectiveError`` naming ``what`` where a rank fails or stays away."""
+    if dist.is_available() and dist.is_initialized():
+        with collective(what) as bound:
+            bound.wait(bound.issue(bound.group.barrier, bound.options("barrier")))
 
 
 def step(src, dst, mesh, shape: tuple, bound: Bound):

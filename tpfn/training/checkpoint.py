@@ -54,13 +54,6 @@ def _ranks(what: str):
     return collective(what) if dist.is_available() and dist.is_initialized() else contextlib.nullcontext()
 
 
-def _barrier(what: str) -> None:
-    """Wait for every rank (a ``CollectiveError`` naming ``what`` when a peer has failed)."""
-    if dist.is_available() and dist.is_initialized():
-        with collective(what) as bound:
-            barrier(bound)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -224,17 +217,17 @@ def save(path, model, optimizer=None) -> None:
     partial, previous = path + ".partial", path + ".previous"
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier(f"the barrier before writing checkpoint {path!r}")
+    barrier(f"the barrier before writing checkpoint {path!r}")
     with _ranks(f"torch.distributed.checkpoint's collectives writing checkpoint {path!r}"):
         dcp.save(_as_saved(_states(model, optimizer), layouts(model)), checkpoint_id=partial)
-    _barrier(f"the barrier after writing the shards of checkpoint {path!r}")
+    barrier(f"the barrier after writing the shards of checkpoint {path!r}")
     if _rank() == 0:
         if os.path.exists(path):
             shutil.rmtree(previous, ignore_errors=True)
             os.rename(path, previous)
         os.rename(partial, path)
         shutil.rmtree(previous, ignore_errors=True)
-    _barrier(f"the barrier after checkpoint {path!r} replaced the previous one")
+    barrier(f"the barrier after checkpoint {path!r} replaced the previous one")
 
 
 def load(path, model, optimizer=None) -> None:

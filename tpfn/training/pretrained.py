@@ -682,9 +682,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *,
             model.generation_config.save_pretrained(path)
         log.info("save_pretrained: %d tensors (%s) in %d files to %s in %.2f s",
                  len(entries), readable(bar.done), n, path, bar.seconds)
-    if distributed:
-        with collective(f"the barrier after writing {path!r}") as bound:
-            barrier(bound)
+    barrier(f"the barrier after writing {path!r}")
 
 
 # -- the one call ---------------------------------------------------------------------------
