@@ -128,6 +128,15 @@ class Shard:
         part = size / self.parts if _symbolic(size) else size // self.parts
         return (part,) * self.parts
 
+    def copies(self, n: int) -> int:
+        """How many of ``n`` ranks hold each piece: ``n // heads`` where there are more ranks
+        than heads (each head held by a group of ranks), else 1.
+
+        >>> Shard(0, heads=2).copies(8), Shard(0, heads=2).copies(2), Shard(0).copies(8)
+        (4, 1, 1)
+        """
+        return n // self.heads if self.heads is not None and n > self.heads else 1
+
     @property
     def count(self) -> int:
         """The number of parts packed in the dim."""

@@ -80,7 +80,7 @@ def assemble(pieces: list, layout: Shard, shape: tuple) -> list:
     [[0, 1, 2, 3, 4, 5]]
     """
     n, dim = len(pieces), layout.dim % len(shape)
-    copies = n // layout.heads if layout.heads is not None and n > layout.heads else 1
+    copies = layout.copies(n)
     out = []
     for copy in range(copies):
         whole = pieces[0].new_zeros(shape)

@@ -118,7 +118,7 @@ def _beyond_dtensor(param, mesh, layout: Shard, src_rank, views: dict) -> tuple:
         param.detach(), mesh, [_dt.Replicate()], src_data_rank=src_rank).to_local()
     local, dim, n = local_value(whole, layout, mesh), layout.dim % param.ndim, mesh.size()
     on, placements = mesh, [_dt.Shard(dim)]
-    if layout.heads is not None and n > layout.heads:
+    if layout.copies(n) > 1:
         if layout.heads not in views:
             views[layout.heads] = heads_mesh(mesh, layout.heads)
         on, placements = views[layout.heads], [_dt.Shard(dim), _dt.Replicate()]
