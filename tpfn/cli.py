@@ -226,15 +226,16 @@ Repeat --input for more inputs. Positional and keyword inputs mix where the mode
 names its positional parameters."""
 
 
-def _model_plan_inputs(parser, shapes: str, world_size: dict) -> None:
-    """The arguments explain and verify share: MODEL, PLAN, --world-size (its ``add_argument``
-    options ``world_size``), --input (examples: ``shapes``), --dtype."""
+def _model_plan_inputs(parser, shapes: str, world_size: dict, plan: bool = True) -> None:
+    """The arguments the commands share: MODEL, PLAN (where ``plan``), --world-size (its
+    ``add_argument`` options ``world_size``), --input (examples: ``shapes``), --dtype."""
     parser.add_argument("model", help="import path (package.module:name) or file (path/model.py:name) "
                         "of a module, or of a function returning one; or a Hugging Face checkpoint "
                         "folder or config (.json)")
-    parser.add_argument("plan", nargs="?", help="import path or file of a plan (dict, plan(), style) "
-                        "or a function returning one (default: the model's own plan, else "
-                        "tpfn.suggest's)")
+    if plan:
+        parser.add_argument("plan", nargs="?", help="import path or file of a plan (dict, plan(), style) "
+                            "or a function returning one (default: the model's own plan, else "
+                            "tpfn.suggest's)")
     parser.add_argument("--world-size", **world_size)
     parser.add_argument("--input", action="append", type=_input, default=[],
                         metavar="[NAME=]SHAPE[:DTYPE][:grad]", help=f"an input: {shapes}; "
@@ -267,9 +268,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", metavar="PLAN", help="with --html: set the plan beside this one (given "
                    "as PLAN is; builtins:dict, an empty plan: no tensor parallelism)")
     v = commands.add_parser("verify", help="run a plan on N real ranks and compare every number with "
-                            "one device", description="Run the plan on N gloo ranks (forked processes) "
-                            "and compare each module's output and every gradient with one device. Exit "
-                            "status 0 when they agree, 1 when not.",
+                            "one device", description=textwrap.fill(
+                                "Run the plan on N gloo ranks (forked processes) and compare each module's "
+                                "output and every gradient with one device. Exit status 0 when they agree, "
+                                "1 when not.", 79),
                             epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
     _model_plan_inputs(v, "8,1024", dict(type=int, default=2, help="ranks (2)"))
     v.add_argument("--tolerance", type=float, default=1e-4, help="largest relative error (1e-4)")
@@ -277,18 +279,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--width", type=_width, metavar="N",
                    help=f"columns of the report (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
     g = commands.add_parser("suggest", help="print the plan tpfn.suggest derives for a model",
-                            description="Derive a tensor-parallel plan for MODEL from its structure and "
-                            "one dry run on fake ranks (tpfn.suggest), and print it as the code that "
-                            "builds it, each rule with a comment that says why.",
+                            description=textwrap.fill(
+                                "Derive a tensor-parallel plan for MODEL from its structure and one dry run "
+                                "on fake ranks (tpfn.suggest), and print it as the code that builds it, each "
+                                "rule with a comment that says why.", 79),
                             epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
-    g.add_argument("model", help="a Hugging Face checkpoint folder or config (.json), or the import "
-                   "path or file of a module (package.module:name, path/model.py:name)")
-    g.add_argument("--world-size", type=int, default=2, help="ranks (2)")
-    g.add_argument("--input", action="append", type=_input, default=[],
-                   metavar="[NAME=]SHAPE[:DTYPE][:grad]", help="an input (default for a transformers "
-                   "model: one sequence of token ids)")
-    g.add_argument("--dtype", type=_dtype, default=torch.int64, help="dtype of the inputs that give none "
-                   "(int64)")
+    _model_plan_inputs(g, "8,1024 (a transformers model's default: one sequence of token ids)",
+                       dict(type=int, default=2, help="ranks (2)"), plan=False)
     g.add_argument("--loss-parallel", action="store_true", help="leave the head's logits sharded, for "
                    "tpfn.cross_entropy")
     for command in (p, v, g):
@@ -377,23 +374,24 @@ def _verify(args, model, plan) -> int:
         report = verify(model, plan, inputs, world_size=args.world_size,
                         dtype=args.dtype, tolerance=args.tolerance, seed=args.seed)
     except (PlanError, ValueError, TypeError) as e:
-        if args.traceback:
-            raise
-        _problems("tpfn verify: ", e, _columns(args))
-        return 1
+        return _failed(args, "tpfn verify: ", e)
     print(report.text(_columns(args)))
     return 0 if report.ok else 1
 
 
 def _columns(args) -> int | None:
     """The width to print at: --width (0: no limit), else the terminal's (--wide: no limit)."""
-    if args.width is not None:
+    if getattr(args, "width", None) is not None:
         return args.width or None
     return None if getattr(args, "wide", False) else max(MIN_WIDTH, shutil.get_terminal_size().columns)
 
 
-def _problems(prefix: str, error: Exception, width: int | None) -> None:
-    """An error on standard error, its list of problems (a ``PlanError``'s) wrapped to ``width``."""
+def _failed(args, prefix: str, error: Exception) -> int:
+    """Exit status 1, ``error`` printed on standard error after ``prefix``, its list of problems
+    (a ``PlanError``'s) wrapped to the width; with --traceback, ``error`` raised."""
+    if args.traceback:
+        raise error
+    width = _columns(args)
     head, *rest = str(error).split("\n")
     problems = getattr(error, "problems", None)
     lines = prose(prefix + head, width)
@@ -402,6 +400,7 @@ def _problems(prefix: str, error: Exception, width: int | None) -> None:
     else:
         lines += rest
     print("\n".join(lines), file=sys.stderr)
+    return 1
 
 
 def _suggest(args, model) -> int:
@@ -411,10 +410,7 @@ def _suggest(args, model) -> int:
     try:
         found = tpfn.suggest(model, args.world_size, example_inputs=inputs, loss_parallel=args.loss_parallel)
     except (PlanError, ValueError, TypeError, RuntimeError) as e:
-        if args.traceback:
-            raise
-        print(f"tpfn suggest: {e}", file=sys.stderr)
-        return 1
+        return _failed(args, "tpfn suggest: ", e)
     print(found)
     return 0
 
@@ -451,10 +447,7 @@ def main(argv=None) -> int:
         try:
             plan = auto_plan(model, args.world_size, inputs)
         except (PlanError, ValueError, TypeError, RuntimeError) as e:
-            if args.traceback:
-                raise
-            _problems(f"tpfn {args.command}: ", e, _columns(args))
-            return 1
+            return _failed(args, f"tpfn {args.command}: ", e)
     if args.command == "verify":
         return _verify(args, model, plan)
     reports = []
@@ -465,10 +458,7 @@ def main(argv=None) -> int:
             reports.append(explain(model, value, world_size=args.world_size, example_inputs=inputs,
                                    dtype=args.dtype, sizes=dict(args.size)))
         except (PlanError, ValueError, TypeError) as e:
-            if args.traceback:
-                raise
-            _problems(f"tpfn explain: {which}", e, _columns(args))
-            return 1
+            return _failed(args, f"tpfn explain: {which}", e)
     report = reports[0]
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
