@@ -72,6 +72,41 @@ def test_sharded_masks_differ_and_replicated_masks_agree(ranks2):
     assert ranks2.run(_sharded_masks) == [(True,) * 4] * 2
 
 
+class Sampler(nn.Module):
+    """A module on shards that draws nothing (an experts module, a norm), then noise drawn
+    from the default stream after it (a diffusion model's canvas, the next batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.noisy = nn.Module(), nn.ModuleList([Noisy(), Noisy()])
+        self.scale.forward = lambda x: x * 2
+
+    def forward(self, x):
+        return self.scale(x), torch.rand(4), self.noisy[0](x), self.noisy[1](x)
+
+
+def _default_stream_after_shards():
+    m = mesh(2)
+    torch.manual_seed(0)
+    expected = torch.rand(4)  # one device: the module on shards draws nothing from the stream
+    model = tpfn.parallelize(Sampler(), m, {"scale": on_shards(Shard(1), output=Shard(1)),
+                                            "noisy.*": on_shards(Shard(1), output=Shard(1))})
+    torch.manual_seed(0)
+    _, noise, first, second = model(torch.ones(2, 8))
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    _, _, again, _ = model(torch.ones(2, 8))
+    return (torch.equal(noise, expected),               # one device's numbers after the shards
+            not torch.equal(first, second),             # two modules: two streams, no draw between
+            torch.equal(first, again),                  # reproducible from the seed
+            not torch.equal(*_gathered(first)),         # distinct per shard
+            torch.equal(*_gathered(after)))             # the default stream alike everywhere
+
+
+def test_a_module_on_shards_leaves_the_default_stream_as_one_device_does(ranks2):
+    assert ranks2.run(_default_stream_after_shards) == [(True,) * 5] * 2
+
+
 def _checkpointed_masks():
     """Activation checkpointing recomputes the forward: the shards must draw the same masks."""
     from torch.utils.checkpoint import checkpoint

@@ -167,7 +167,7 @@ class Runtime:
         try:
             for table, name, view in views:
                 table[name] = view
-            with sharded(mesh) if kernel.random == "fork" else contextlib.nullcontext():
+            with sharded(mesh, mount.fqn) if kernel.random == "fork" else contextlib.nullcontext():
                 output = self.forward(*args, **kwargs)
         finally:
             for table, name, param in saved:

@@ -12,9 +12,14 @@ then continues where the draw left it. Because the seed comes from the default g
 saves and restores the default generator) recomputes the same masks.
 
 tpfn enters ``sharded`` itself around ``on_shards`` modules and around sequence-parallel
-dropout modules other than ``nn.Dropout``. ``sequence_parallel()`` on an ``nn.Dropout`` does
-better: it draws the mask of the whole sequence from the default generator and applies its
-own slice, so the masks are the ones a single device draws.
+dropout modules other than ``nn.Dropout``, with the module's name as ``key``: the seed is
+then read from the default generator's state and the key, not drawn, and the default stream
+goes on as it was found, as on one device where the module draws nothing (experts, norms:
+the random numbers after it, a diffusion model's noise or the next batch, are one device's).
+A module that draws inside and is called again with no draw from the default stream between
+draws the same numbers again. ``sequence_parallel()`` on an ``nn.Dropout`` does better: it
+draws the mask of the whole sequence from the default generator and applies its own slice,
+so the masks are the ones a single device draws.
 
 >>> import torch
 >>> from torch.distributed.device_mesh import init_device_mesh
@@ -32,6 +37,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 
@@ -46,10 +52,15 @@ def _default_generator(device_type: str) -> torch.Generator:
 
 
 @contextlib.contextmanager
-def sharded(mesh):
-    """Random draws inside come from a stream of this rank's own, seeded from the default one."""
+def sharded(mesh, key: str | None = None):
+    """Random draws inside come from a stream of this rank's own, seeded from the default one:
+    by a draw from it, or (``key``) from its state and ``key``, leaving it as it was."""
     default = _default_generator(mesh.device_type)
-    seed = int(torch.randint(2**62, (), generator=default))
+    if key is None:
+        seed = int(torch.randint(2**62, (), generator=default))
+    else:
+        digest = hashlib.blake2b(default.get_state().numpy().tobytes() + key.encode(), digest_size=8)
+        seed = int.from_bytes(digest.digest(), "little") >> 2
     shard = hash((seed, 2718) + tuple(mesh.get_coordinate())) & (2**63 - 1)
     saved = default.get_state()
     default.manual_seed(shard)
