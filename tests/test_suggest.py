@@ -474,12 +474,45 @@ def _moe_step(kwargs, p):
     ({"features": 3}, "its 3 features per expert do not split over 2 ranks"),
     ({"norm": True}, "its forward runs 'norm' (LayerNorm), which may compute on each expert's output, a partial "
                      "sum while the features are sharded"),
-    ({"tied": True}, "its weights are tied to another module's")])
+    ({"tied": True}, "its weights are tied to 'shared', which stays whole")])
 def test_experts_that_cannot_be_sharded_stay_whole_with_the_reason(kwargs, why):
     model = _MoE(**{k: v for k, v in kwargs.items() if k != "tied"})
-    if kwargs.get("tied"):
-        model.shared = _Experts()
+    if kwargs.get("tied"):  # tied to experts that stay whole (their biases)
+        model.shared = _Experts(bias=True)
         model.shared.down_proj = model.experts.down_proj
     with pytest.warns(UserWarning, match="the plan binds no module of _MoE: parallelize shards nothing"):
         p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
     assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"
+
+
+class _TiedMoE(nn.Module):
+    """Two mixture layers whose experts share their weights (an encoder's and a decoder's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _MoE(), _MoE()
+        self.second.experts.gate_up_proj = self.first.experts.gate_up_proj
+        self.second.experts.down_proj = self.first.experts.down_proj
+
+    def forward(self, x):
+        x = x + self.first(x)
+        return x + self.second(x)
+
+
+def _tied_moe_step(p):
+    from tests.ranks import mesh
+
+    torch.manual_seed(0)
+    ref = _TiedMoE()
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), p)
+    return one_step(tp, ref, torch.randn(6, 16))
+
+
+def test_experts_tied_to_experts_sharded_alike_are_sharded_at_one_devices_numbers(ranks2):
+    torch.manual_seed(0)
+    p = tpfn.suggest(_TiedMoE(), 2, example_inputs=torch.randn(6, 16))
+    rules = dict(p.rules)
+    assert rules["first.experts"] == rules["second.experts"] and "gate_up_proj=Shard(dim=1, parts=2)" in repr(
+        rules["first.experts"]), repr(p)
+    for errors, forward, backward in ranks2.run(_tied_moe_step, p):
+        assert max(errors.values()) < TOL, {k: v for k, v in errors.items() if v >= TOL}

@@ -11,7 +11,8 @@ all-reduced (``tpfn.adapters.from_hf.experts``). No token moves between ranks (t
 parallelism, which tpfn does not do). What else the experts module may compute stays whole:
 experts with biases (added after the partial sum, they would be counted on every rank), with
 child modules other than activations (a norm on each expert's output), or with weights tied
-to another module's.
+to a module that stays whole (experts tied to experts, an encoder's and a decoder's, are
+sharded alike).
 
 >>> import torch
 >>> class Experts(nn.Module):  # as use_experts_implementation makes them
@@ -61,17 +62,14 @@ def _dims(module: nn.Module) -> tuple:
 _ACTIVATIONS = ("transformers.activations", "torch.nn.modules.activation")
 
 
-def _why_whole(module: nn.Module, up: str, w_up, w_down, n: int, tied: set) -> str | None:
-    """Why the experts module computes whole on ``n`` ranks (None: it can be sharded);
-    ``tied``: the parameters that more than one module holds."""
+def _why_whole(module: nn.Module, up: str, w_up, w_down, n: int) -> str | None:
+    """Why the experts module computes whole on ``n`` ranks (None: it can be sharded)."""
     if getattr(module, "has_bias", False):
         return "its experts have biases, which a sum over the ranks would count once per rank"
     for name, child in module.named_children():
         if type(child).__module__ not in _ACTIVATIONS or any(True for _ in child.parameters()):
             return (f"its forward runs {name!r} ({type(child).__name__}), which may compute on each expert's "
                     "output, a partial sum while the features are sharded")
-    if any(id(p) in tied for p in (w_up, w_down)):
-        return "its weights are tied to another module's"
     i_up, i_down = _dims(module)
     features = w_down.shape[i_down]
     if w_up.shape[i_up] != (2 if module.has_gate else 1) * features or w_up.shape[i_down] != w_down.shape[i_up]:
@@ -84,21 +82,35 @@ def _why_whole(module: nn.Module, up: str, w_up, w_down, n: int, tied: set) -> s
 
 def experts(model: nn.Module, n: int, whole: dict) -> list:
     """A ``Choice`` for each fused experts module of ``model`` on ``n`` ranks: sharded on its
-    features, or left whole with the reason (``whole``: module -> why it failed before)."""
-    holders = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    tied, found = {k for k, count in holders.items() if count > 1}, []
+    features, or left whole with the reason (``whole``: module -> why it failed before).
+    Experts whose weights other modules hold too (an encoder's and a decoder's tied) are
+    sharded where every holder is, alike."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}  # (a module held twice: its first name)
+    holders = collections.defaultdict(set)  # a parameter's id -> the modules holding it
+    for module in model.modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            holders[id(p)].add(names[id(module)])
+    styles, why, sizes = {}, {}, {}  # module -> its style (None: whole), why whole, its features
     for fqn, module in model.named_modules():
         weights = _weights(module)
         if weights is None:
             continue
         up, w_up, w_down = weights
-        why = whole.get(fqn) or _why_whole(module, up, w_up, w_down, n, tied)
-        if why is not None:
-            found.append(Choice(fqn, None, f"left whole: {brief(why)}"))
-            continue
         i_up, i_down = _dims(module)
+        why[fqn], sizes[fqn] = whole.get(fqn) or _why_whole(module, up, w_up, w_down, n), w_down.shape[i_down]
         packed = {"parts": 2} if module.has_gate else {}
-        style = params(**{up: Shard(3 + i_up, **packed), "down_proj": Shard(3 + i_down)}) >> experts_core(module)
-        found.append(Choice(fqn, style, f"sharded on each expert's {w_down.shape[i_down]} features, its output "
-                                        "all-reduced (transformers' 'moe_tp_experts')"))
-    return found
+        styles[fqn] = None if why[fqn] else \
+            params(**{up: Shard(3 + i_up, **packed), "down_proj": Shard(3 + i_down)}) >> experts_core(module)
+    changed = True
+    while changed:  # tied weights: sharded only where every module holding them is, alike
+        changed = False
+        for fqn, style in styles.items():
+            others = sorted({o for p in _weights(model.get_submodule(fqn))[1:] for o in holders[id(p)]} - {fqn})
+            other = next((o for o in others if styles.get(o) != style), None) if style is not None else None
+            if other is not None:
+                styles[fqn], changed = None, True
+                why[fqn] = f"its weights are tied to {other!r}, which " + (
+                    "stays whole" if other in styles else "is no fused experts module")
+    return [Choice(fqn, None, f"left whole: {brief(why[fqn])}") if style is None else
+            Choice(fqn, style, f"sharded on each expert's {sizes[fqn]} features, its output all-reduced "
+                               "(transformers' 'moe_tp_experts')") for fqn, style in styles.items()]
