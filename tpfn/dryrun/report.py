@@ -250,7 +250,7 @@ class Report:
         """Bytes sent by module ``fqn`` (``within``: and its submodules; None: outside every
         module) in ``phase`` (None: both)."""
         def mine(c):
-            here = c.fqn == fqn or (within and c.fqn is not None and inside(c.fqn, fqn))
+            here = c.fqn == fqn or (within and None not in (fqn, c.fqn) and inside(c.fqn, fqn))
             return here and phase in (None, c.phase)
         return _total(c.bytes for c in self.comms if mine(c))
 
