@@ -474,7 +474,7 @@ def _moe_step(kwargs, p):
     ({"features": 3}, "its 3 features per expert do not split over 2 ranks"),
     ({"norm": True}, "its forward runs 'norm' (LayerNorm), which may compute on each expert's output, a partial "
                      "sum while the features are sharded"),
-    ({"tied": True}, "its weights are tied to 'shared', which stays whole")])
+    ({"tied": True}, "its down_proj is tied to 'shared.down_proj', which stays whole")])
 def test_experts_that_cannot_be_sharded_stay_whole_with_the_reason(kwargs, why):
     model = _MoE(**{k: v for k, v in kwargs.items() if k != "tied"})
     if kwargs.get("tied"):  # tied to experts that stay whole (their biases)
@@ -483,6 +483,19 @@ def test_experts_that_cannot_be_sharded_stay_whole_with_the_reason(kwargs, why):
     with pytest.warns(UserWarning, match="the plan binds no module of _MoE: parallelize shards nothing"):
         p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
     assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"
+
+
+def test_experts_whose_weights_are_held_as_other_weights_stay_whole():
+    crossed = _MoE(gate=False, features=16)  # one's up projection is the other's down projection
+    crossed.other = _Experts(gate=False, features=16)
+    crossed.other.down_proj = crossed.experts.up_proj
+    aliased = _MoE()  # one weight under two names of the module
+    aliased.experts.register_parameter("alias", aliased.experts.down_proj)
+    for model, why in ((crossed, "its up_proj is tied to 'other.down_proj', which is sharded otherwise"),
+                       (aliased, "its down_proj is tied to 'experts.alias', another of its weights")):
+        with pytest.warns(UserWarning, match="parallelize shards nothing"):
+            p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
+        assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"
 
 
 class _TiedMoE(nn.Module):

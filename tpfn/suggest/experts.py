@@ -33,6 +33,7 @@ import collections
 
 import torch.nn as nn
 
+from tpfn._fqn import join
 from tpfn.adapters.from_hf import experts as experts_core
 from tpfn.layout import Shard
 from tpfn.style.constructors import params
@@ -86,10 +87,10 @@ def experts(model: nn.Module, n: int, whole: dict) -> list:
     Experts whose weights other modules hold too (an encoder's and a decoder's tied) are
     sharded where every holder is, alike."""
     names = {id(m): fqn for fqn, m in model.named_modules()}  # (a module held twice: its first name)
-    holders = collections.defaultdict(set)  # a parameter's id -> the modules holding it
+    holders = collections.defaultdict(set)  # a parameter's id -> (module, name) of each place it is held
     for module in model.modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            holders[id(p)].add(names[id(module)])
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders[id(p)].add((names[id(module)], name))
     styles, why, sizes = {}, {}, {}  # module -> its style (None: whole), why whole, its features
     for fqn, module in model.named_modules():
         weights = _weights(module)
@@ -104,13 +105,17 @@ def experts(model: nn.Module, n: int, whole: dict) -> list:
     changed = True
     while changed:  # tied weights: sharded only where every module holding them is, alike
         changed = False
-        for fqn, style in styles.items():
-            others = sorted({o for p in _weights(model.get_submodule(fqn))[1:] for o in holders[id(p)]} - {fqn})
-            other = next((o for o in others if styles.get(o) != style), None) if style is not None else None
-            if other is not None:
-                styles[fqn], changed = None, True
-                why[fqn] = f"its weights are tied to {other!r}, which " + (
-                    "stays whole" if other in styles else "is no fused experts module")
+        for fqn, style in [(f, s) for f, s in styles.items() if s is not None]:
+            for name in (_weights(model.get_submodule(fqn))[0], "down_proj"):
+                held = holders[id(model.get_parameter(join(fqn, name)))] - {(fqn, name)}
+                other = next(((o, a) for o, a in sorted(held) if a != name or styles.get(o) != style), None)
+                if other is not None and styles[fqn] is not None:
+                    o, a = other
+                    why[fqn] = f"its {name} is tied to {join(o, a)!r}, " + (
+                        "another of its weights" if o == fqn else "a weight of no fused experts module"
+                        if o not in styles else "which stays whole" if styles[o] is None else
+                        "which is sharded otherwise")
+                    styles[fqn], changed = None, True
     return [Choice(fqn, None, f"left whole: {brief(why[fqn])}") if style is None else
             Choice(fqn, style, f"sharded on each expert's {sizes[fqn]} features, its output all-reduced "
                                "(transformers' 'moe_tp_experts')") for fqn, style in styles.items()]
