@@ -73,8 +73,9 @@ def test_sharded_masks_differ_and_replicated_masks_agree(ranks2):
 
 
 class Sampler(nn.Module):
-    """A module on shards that draws nothing (an experts module, a norm), then noise drawn
-    from the default stream after it (a diffusion model's canvas, the next batch)."""
+    """In eval mode, a module on shards that draws nothing (fused experts), then noise drawn
+    from the default stream after it (a diffusion model's canvas), and two modules on shards
+    that draw (dropout applied whatever the mode)."""
 
     def __init__(self):
         super().__init__()
@@ -90,21 +91,24 @@ def _default_stream_after_shards():
     torch.manual_seed(0)
     expected = torch.rand(4)  # one device: the module on shards draws nothing from the stream
     model = tpfn.parallelize(Sampler(), m, {"scale": on_shards(Shard(1), output=Shard(1)),
-                                            "noisy.*": on_shards(Shard(1), output=Shard(1))})
+                                            "noisy.*": on_shards(Shard(1), output=Shard(1))}).eval()
     torch.manual_seed(0)
     _, noise, first, second = model(torch.ones(2, 8))
     after = torch.rand(4)
     torch.manual_seed(0)
     _, _, again, _ = model(torch.ones(2, 8))
+    model.train()  # in training each call draws its seed: a module called twice draws anew
+    drop = model.noisy[0]
     return (torch.equal(noise, expected),               # one device's numbers after the shards
+            not torch.equal(drop(torch.ones(2, 8)), drop(torch.ones(2, 8))),
             not torch.equal(first, second),             # two modules: two streams, no draw between
             torch.equal(first, again),                  # reproducible from the seed
             not torch.equal(*_gathered(first)),         # distinct per shard
             torch.equal(*_gathered(after)))             # the default stream alike everywhere
 
 
-def test_a_module_on_shards_leaves_the_default_stream_as_one_device_does(ranks2):
-    assert ranks2.run(_default_stream_after_shards) == [(True,) * 5] * 2
+def test_in_eval_mode_a_module_on_shards_leaves_the_default_stream_as_one_device_does(ranks2):
+    assert ranks2.run(_default_stream_after_shards) == [(True,) * 6] * 2
 
 
 def _checkpointed_masks():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import operator
 import warnings
@@ -51,6 +52,8 @@ from tpfn.style.style import Style
 __all__ = ["parallelize", "mounted", "runtime", "Runtime"]
 
 log = logging.getLogger("tpfn")
+
+_STREAMS = itertools.count()  # numbers the bound modules' random streams, in the order they are bound
 
 
 class Runtime:
@@ -84,6 +87,7 @@ class Runtime:
         # its parameters' gradients are partial sums: a backward through its output sums them at its end
         self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
         self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
+        self.stream = f"{next(_STREAMS)}:{mount.fqn}"  # its own random stream's key, the same run to run
 
     def __call__(self, *args, **kwargs):
         if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:
@@ -167,7 +171,10 @@ class Runtime:
         try:
             for table, name, view in views:
                 table[name] = view
-            with sharded(mesh, mount.fqn) if kernel.random == "fork" else contextlib.nullcontext():
+            # in training a module draws (dropout): a seed drawn, so every call draws anew; in
+            # eval mode the random stream goes on as one device's (tpfn.interpret.rng)
+            key = None if self.module.training else self.stream
+            with sharded(mesh, key) if kernel.random == "fork" else contextlib.nullcontext():
                 output = self.forward(*args, **kwargs)
         finally:
             for table, name, param in saved:

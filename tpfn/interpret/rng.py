@@ -12,14 +12,15 @@ then continues where the draw left it. Because the seed comes from the default g
 saves and restores the default generator) recomputes the same masks.
 
 tpfn enters ``sharded`` itself around ``on_shards`` modules and around sequence-parallel
-dropout modules other than ``nn.Dropout``, with the module's name as ``key``: the seed is
+dropout modules other than ``nn.Dropout``. In training it draws the seed, so each call's
+masks are new. In eval mode (dropout off) it passes a ``key`` of the module's own: the seed is
 then read from the default generator's state and the key, not drawn, and the default stream
-goes on as it was found, as on one device where the module draws nothing (experts, norms:
-the random numbers after it, a diffusion model's noise or the next batch, are one device's).
-A module that draws inside and is called again with no draw from the default stream between
-draws the same numbers again. ``sequence_parallel()`` on an ``nn.Dropout`` does better: it
-draws the mask of the whole sequence from the default generator and applies its own slice,
-so the masks are the ones a single device draws.
+goes on as it was found, as on one device where the module draws nothing (fused experts: the
+random numbers after them, a diffusion model's noise, are one device's). A module that draws
+in eval mode anyway, called again with no draw from the default stream between, draws the
+same numbers again. ``sequence_parallel()`` on an ``nn.Dropout`` does better: it draws the
+mask of the whole sequence from the default generator and applies its own slice, so the
+masks are the ones a single device draws.
 
 >>> import torch
 >>> from torch.distributed.device_mesh import init_device_mesh
