@@ -91,31 +91,31 @@ def experts(model: nn.Module, n: int, whole: dict) -> list:
     for module in model.modules(remove_duplicate=False):
         for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
             holders[id(p)].add((names[id(module)], name))
-    styles, why, sizes = {}, {}, {}  # module -> its style (None: whole), why whole, its features
+    styles, why, weights, sizes = {}, {}, {}, {}  # by module: style (None: whole), why whole, weights, features
     for fqn, module in model.named_modules():
-        weights = _weights(module)
-        if weights is None:
+        found = _weights(module)
+        if found is None:
             continue
-        up, w_up, w_down = weights
+        up, w_up, w_down = found
         i_up, i_down = _dims(module)
-        why[fqn], sizes[fqn] = whole.get(fqn) or _why_whole(module, up, w_up, w_down, n), w_down.shape[i_down]
+        why[fqn] = whole.get(fqn) or _why_whole(module, up, w_up, w_down, n)
+        weights[fqn], sizes[fqn] = {up: w_up, "down_proj": w_down}, w_down.shape[i_down]
         packed = {"parts": 2} if module.has_gate else {}
         styles[fqn] = None if why[fqn] else \
             params(**{up: Shard(3 + i_up, **packed), "down_proj": Shard(3 + i_down)}) >> experts_core(module)
     changed = True
-    while changed:  # tied weights: sharded only where every module holding them is, alike
+    while changed:  # tied weights: sharded only where every place holding them is the same weight, alike
         changed = False
-        for fqn, style in [(f, s) for f, s in styles.items() if s is not None]:
-            for name in (_weights(model.get_submodule(fqn))[0], "down_proj"):
-                held = holders[id(model.get_parameter(join(fqn, name)))] - {(fqn, name)}
-                other = next(((o, a) for o, a in sorted(held) if a != name or styles.get(o) != style), None)
-                if other is not None and styles[fqn] is not None:
-                    o, a = other
-                    why[fqn] = f"its {name} is tied to {join(o, a)!r}, " + (
-                        "another of its weights" if o == fqn else "a weight of no fused experts module"
-                        if o not in styles else "which stays whole" if styles[o] is None else
-                        "which is sharded otherwise")
-                    styles[fqn], changed = None, True
+        for fqn in [f for f, s in styles.items() if s is not None]:
+            other = next(((name, o, a) for name, w in weights[fqn].items() for o, a in sorted(holders[id(w)])
+                          if (o, a) != (fqn, name) and (a != name or styles.get(o) != styles[fqn])), None)
+            if other is not None:
+                name, o, a = other
+                why[fqn] = f"its {name} is tied to {join(o, a)!r}, " + (
+                    "another of its weights" if o == fqn else "a weight of no fused experts module"
+                    if o not in styles else "which stays whole" if styles[o] is None else
+                    "which is sharded otherwise")
+                styles[fqn], changed = None, True
     return [Choice(fqn, None, f"left whole: {brief(why[fqn])}") if style is None else
             Choice(fqn, style, f"sharded on each expert's {sizes[fqn]} features, its output all-reduced "
                                "(transformers' 'moe_tp_experts')") for fqn, style in styles.items()]
