@@ -171,10 +171,10 @@ class Runtime:
         try:
             for table, name, view in views:
                 table[name] = view
-            # in training a module draws (dropout): a seed drawn, so every call draws anew; in
-            # eval mode the random stream goes on as one device's (tpfn.interpret.rng)
-            key = None if self.module.training else self.stream
-            with sharded(mesh, key) if kernel.random == "fork" else contextlib.nullcontext():
+            # in training a seed is drawn, so every call's masks are new; in eval mode the
+            # default stream goes on as one device's (tpfn.interpret.rng)
+            with sharded(mesh, None if self.module.training else self.stream) if kernel.random == "fork" \
+                    else contextlib.nullcontext():
                 output = self.forward(*args, **kwargs)
         finally:
             for table, name, param in saved:

@@ -59,11 +59,12 @@ def sharded(mesh, key: str | None = None):
     default = _default_generator(mesh.device_type)
     if key is None:
         seed = int(torch.randint(2**62, (), generator=default))
+        saved = default.get_state()
     else:
-        digest = hashlib.blake2b(default.get_state().numpy().tobytes() + key.encode(), digest_size=8)
+        saved = default.get_state()
+        digest = hashlib.blake2b(saved.numpy().tobytes() + key.encode(), digest_size=8)
         seed = int.from_bytes(digest.digest(), "little") >> 2
     shard = hash((seed, 2718) + tuple(mesh.get_coordinate())) & (2**63 - 1)
-    saved = default.get_state()
     default.manual_seed(shard)
     try:
         yield
