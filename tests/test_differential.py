@@ -5,12 +5,17 @@ and what a user does to it; the description is shipped to two gloo ranks, each o
 builds the block three times (one device, ``parallelize(..., kernels=False)`` and
 ``kernels=True``, from one seed), does the same to each and compares everything it saw:
 
-- the block: ``x + inner(pre(x))``, ``pre`` a LayerNorm (sequence-parallel when the block's
-  input is a sequence shard) or ``2 * x``; ``inner`` attention-shaped (q, k, v column-wise,
-  o row-wise, k's output maybe detached or v's unused) or an MLP (column-wise, activation,
-  row-wise), reading one shared local replica of its input (its parent's ``prepare_in``:
-  replicated, or gathered from the sequence shards), maybe also adding that input to its
-  output (a reader of the replica that takes its whole gradient); sizes divisible by 2;
+- the block: ``x + inner(drop(pre(x)))`` on inputs of 2 to 4 dims (3 under sequence
+  parallelism), ``pre`` a LayerNorm (sequence-parallel when the block's input is a sequence
+  shard) or ``2 * x``, ``drop`` maybe a dropout of the transposed (non-contiguous) activation
+  (sequence-parallel on its dim 0 where the sequence is sharded), maybe ``inner`` recomputed
+  in the backward (``torch.utils.checkpoint``, reentrant or not); ``inner`` attention-shaped
+  (q, k, v column-wise, o row-wise, k's output maybe detached, v's unused or q's changed in
+  place) or an MLP (column-wise, activation (``ReLU(inplace=True)`` too), row-wise), reading
+  one shared local replica of its input (its parent's ``prepare_in``: replicated, or gathered
+  from the sequence shards), maybe also adding that input to its output (a reader of the
+  replica that takes its whole gradient), maybe computing k (fc1) in a worker thread; sizes
+  divisible by 2;
 - observers: tensor hooks on a linear's input or output, ``retain_grad`` on a linear's
   input, full backward hooks on a linear, parameter hooks (a clipping one) and
   post-accumulate hooks registered after ``parallelize``, ``torch.autograd.grad`` of the
@@ -18,7 +23,8 @@ builds the block three times (one device, ``parallelize(..., kernels=False)`` an
 - changes: an in-place step on a parameter between forward and backward (one device
   refuses the backward where the parameter was saved for it: every rank must refuse it
   too), a ``.data`` write of a linear's weight in its forward pre-hook, frozen parameters
-  (before or after ``parallelize``), an input that needs no gradient.
+  (before or after ``parallelize``), an input that needs no gradient, a parameter replaced
+  after ``parallelize`` (by one laid out alike), the block deep-copied after ``parallelize``.
 
 Every tensor is compared in the layout the user holds it in: the block's input and output
 and their gradients as this rank's part of the block's layout; a column-wise linear's
@@ -33,12 +39,15 @@ The default run keeps to a couple of minutes on two cores; ``HYPOTHESIS_PROFILE=
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from hypothesis import HealthCheck, given, settings
+import torch.utils.checkpoint as checkpoint
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tpfn
@@ -59,35 +68,46 @@ COLWISE = {"attn": ("q", "k", "v"), "mlp": ("fc1",)}
 ROWWISE = {"attn": ("o",), "mlp": ("fc2",)}
 
 
+def _thread(fn, x, thread: bool):
+    """``fn(x)``, in a worker thread where ``thread`` says."""
+    if not thread:
+        return fn(x)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, x).result()
+
+
 class Attn(nn.Module):
-    def __init__(self, dim: int, bias: bool, residual: bool, variant: str):
+    def __init__(self, dim: int, bias: bool, residual: bool, variant: str, thread: bool):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=bias) for _ in range(4))
-        self.residual, self.variant = residual, variant
+        self.residual, self.variant, self.thread = residual, variant, thread
 
     def forward(self, x):
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = self.q(x), _thread(self.k, x, self.thread), self.v(x)
         if self.variant == "k detached":
             k = k.detach()
+        if self.variant == "q in place":
+            q.mul_(2)
         h = q * k.sigmoid() if self.variant == "v unused" else q * k.sigmoid() + v
         out = self.o(h)
         return out + x if self.residual else out
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, bias: bool, residual: bool, act: str):
+    def __init__(self, dim: int, hidden: int, bias: bool, residual: bool, act: str, thread: bool):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden, bias=bias), nn.Linear(hidden, dim, bias=bias)
-        self.act, self.residual = {"gelu": nn.GELU(), "tanh": nn.Tanh()}[act], residual
+        self.act = {"gelu": nn.GELU(), "tanh": nn.Tanh(), "relu in place": nn.ReLU(inplace=True)}[act]
+        self.residual, self.thread = residual, thread
 
     def forward(self, x):
-        out = self.fc2(self.act(self.fc1(x)))
+        out = self.fc2(self.act(_thread(self.fc1, x, self.thread)))
         return out + x if self.residual else out
 
 
 class Block(nn.Module):
-    """``x + inner(pre(x))``: the inner module's input is read by it alone (never the user's
-    leaf, whose gradient also holds the outer residual's)."""
+    """``x + inner(drop(pre(x)))``: the inner module's input is read by it alone (never the
+    user's leaf, whose gradient also holds the outer residual's)."""
 
     def __init__(self, d: dict):
         super().__init__()
@@ -97,11 +117,18 @@ class Block(nn.Module):
             with torch.no_grad():
                 self.norm.weight.normal_()
                 self.norm.bias.normal_()
-        self.inner = Attn(d["dim"], d["bias"], d["residual"], d["variant"]) if d["kind"] == "attn" \
-            else MLP(d["dim"], d["hidden"], d["bias"], d["residual"], d["variant"])
+        self.drop = nn.Dropout(0.25) if d["dropout"] else None
+        self.inner = Attn(d["dim"], d["bias"], d["residual"], d["variant"], d["thread"]) if d["kind"] == "attn" \
+            else MLP(d["dim"], d["hidden"], d["bias"], d["residual"], d["variant"], d["thread"])
+        self.checkpointed = d["checkpoint"]
 
     def forward(self, x):
-        return x + self.inner(self.norm(x) if self.norm is not None else 2 * x)
+        h = self.norm(x) if self.norm is not None else 2 * x
+        if self.drop is not None:  # on the activation transposed: (sequence, batch, ...)
+            h = self.drop(h.transpose(0, -2)).transpose(0, -2)
+        if self.checkpointed is None:
+            return x + self.inner(h)
+        return x + checkpoint.checkpoint(self.inner, h, use_reentrant=self.checkpointed == "reentrant")
 
 
 def plan(d: dict) -> dict:
@@ -111,7 +138,8 @@ def plan(d: dict) -> dict:
     if not d["sp"]:
         return {"inner": prepare_in(Replicate(), local=True), **linears}
     norm = {"norm": sequence_parallel(local=True)} if d["norm"] else {}
-    return {**norm, "inner": prepare_in(Shard(1), desired=Replicate(), local=True)
+    drop = {"drop": sequence_parallel(dim=0, local=True)} if d["dropout"] else {}
+    return {**norm, **drop, "inner": prepare_in(Shard(1), desired=Replicate(), local=True)
             >> prepare_out(Shard(1), given=Replicate(), local=True), **linears}
 
 
@@ -136,13 +164,19 @@ def descriptions(draw) -> dict:
         "bias": draw(st.booleans()),
         "residual": draw(st.booleans()),
         "sp": draw(st.booleans()),
-        "variant": draw(st.sampled_from(["plain", "k detached", "v unused"] if kind == "attn"
-                                        else ["gelu", "tanh"])),
+        "variant": draw(st.sampled_from(["plain", "k detached", "v unused", "q in place"] if kind == "attn"
+                                        else ["gelu", "tanh", "relu in place"])),
         "input_grad": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**16)),
+        "thread": draw(st.booleans()),
+        "dropout": draw(st.booleans()),
+        "checkpoint": draw(st.sampled_from([None, "reentrant", "non-reentrant"])),
+        "deepcopy": draw(st.booleans()),
     }
     d["norm"] = draw(st.booleans())
+    d["ndim"] = 3 if d["sp"] else draw(st.sampled_from([2, 3, 4]))
     params = _params(d)
+    d["replaced"] = draw(st.one_of(st.none(), st.sampled_from(params)))
     linears = COLWISE[kind] + ROWWISE[kind]
     d["frozen"] = tuple(draw(st.lists(st.sampled_from(params), max_size=2, unique=True)))
     d["frozen_before"] = draw(st.booleans())
@@ -154,6 +188,12 @@ def descriptions(draw) -> dict:
     d["observers"] = tuple(draw(st.lists(observer, max_size=3, unique=True)))
     d["loss"] = draw(st.one_of(st.just(("backward",)), st.just(("grad", "input")),
                                st.tuples(st.just("grad"), st.sampled_from(linears))))
+    # Reentrant checkpointing runs the first forward without gradients: on one device q receives
+    # the block's own tensor, which requires grad, so a pre-hook's tensor hook or retain_grad on
+    # it is registered there; under sequence parallelism q receives the gathered sequence, made
+    # without gradients then, as under native TP. What q receives differs by design there.
+    assume(not (d["sp"] and d["checkpoint"] == "reentrant"
+                and any(kind in ("input hook", "retain_grad") for kind, _ in d["observers"])))
     return d
 
 
@@ -234,6 +274,13 @@ def _observe(d: dict, model: nn.Module, seen: _Seen, kept: dict) -> None:
             lambda m, args, output: kept.setdefault("intermediate", output))
 
 
+def _replace(model: nn.Module, name: str) -> None:
+    """Replace parameter ``name`` by a new one of other values, laid out alike (a DTensor's ops keep its layout)."""
+    owner, _, leaf = name.rpartition(".")
+    old = model.get_parameter(name)
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(old.detach() * 0.5 + 0.1, requires_grad=old.requires_grad))
+
+
 def _run(d: dict, kernels: bool | None) -> _Seen:
     """Build the block (``kernels`` None: on one device), observe it, run one step; what was seen."""
     one_device = kernels is None
@@ -243,11 +290,16 @@ def _run(d: dict, kernels: bool | None) -> _Seen:
             model.get_parameter(name).requires_grad_(False)
     if not one_device:
         model = tpfn.parallelize(model, mesh(2), plan(d), kernels=kernels)
+    if d["replaced"] is not None:
+        _replace(model, d["replaced"])
+    if d["deepcopy"]:
+        model = copy.deepcopy(model)
     if not d["frozen_before"]:
         for name in d["frozen"]:
             model.get_parameter(name).requires_grad_(False)
     block = "shard" if d["sp"] else "whole"
-    x = torch.randn(d["batch"], d["seq"], d["dim"], generator=torch.Generator().manual_seed(d["seed"] + 1))
+    shape = (2, d["batch"], d["seq"], d["dim"])[4 - d["ndim"]:]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(d["seed"] + 1))
     if d["sp"] and not one_device:
         x = x.chunk(2, dim=1)[dist.get_rank()]
     x = x.clone().requires_grad_(d["input_grad"])
@@ -255,6 +307,7 @@ def _run(d: dict, kernels: bool | None) -> _Seen:
     try:
         _observe(d, model, seen, kept)
         phase = "forward"
+        torch.manual_seed(d["seed"] + 2)  # (dropout: the same draws on every model)
         out = model(x)
         seen.put("output", block, out)
         loss = out.pow(2).sum()

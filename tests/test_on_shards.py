@@ -33,8 +33,8 @@ def test_on_shards_is_a_core_that_states_its_layouts():
             return x
 
     m = mount(style, M())
-    assert m.kernel.inputs == ((Replicate(), Partial()), (None, None))
-    assert m.kernel.output == Partial() and m.inputs.local is True
+    assert (m.shards.desired, m.shards.grads) == ((Replicate(), None), (Partial(), None))
+    assert m.shards.output == Partial() and m.inputs.local is True
     assert m.outputs.slots[0].given == Partial() and m.outputs.slots[0].desired == Replicate()
     assert mount(colwise(parts=2), nn.Linear(2, 8)).params == (
         ("bias", Shard(0, parts=2)), ("weight", Shard(0, parts=2)))

@@ -155,7 +155,7 @@ def test_prepare_in_then_colwise_is_pytorchs_colwise_with_input_layouts():
     assert m.outputs.slots == (Slot(Shard(-1), Replicate()),)
     assert m.outputs.local is True
     # nn.Linear's layouts are known: it computes on local shards (tpfn.plans.kinds).
-    assert m.kernel is not None and m.inputs.local is True
+    assert m.shards is not None and m.inputs.local is True
 
 
 def test_modules_with_their_own_forward_compute_on_dtensors():
@@ -164,9 +164,9 @@ def test_modules_with_their_own_forward_compute_on_dtensors():
             return super().forward(x) * 2
 
     m = mount(colwise(), Scaled(2, 2))
-    assert m.kernel is None and m.inputs.local is False
-    assert mount(rowwise(), nn.Embedding(4, 2, padding_idx=0)).kernel is None  # DTensor masks it
-    assert mount(rowwise(), nn.Embedding(4, 2, scale_grad_by_freq=True)).kernel is None
+    assert m.shards is None and m.inputs.local is False
+    assert mount(rowwise(), nn.Embedding(4, 2, padding_idx=0)).shards is None  # DTensor masks it
+    assert mount(rowwise(), nn.Embedding(4, 2, scale_grad_by_freq=True)).shards is None
 
 
 def test_rowwise_then_shard_reduce_scatters_directly():

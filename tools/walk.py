@@ -9,7 +9,7 @@ On 2 gloo ranks, rank 0 parallelizes ``nn.Sequential(nn.Linear(16, 32))`` with `
 Every function of ``tpfn/`` that runs is counted once, whole (the lines of its definition), as a
 reader who opens it reads it; a file counts once however many of its functions run. Also printed:
 the lines of the trusted core (layouts, the algebra, styles, plans, the interpreter, the kernels,
-bounded collectives, private torch, errors, names) and of ``tpfn/`` as a whole.
+bounded collectives, random streams, private torch, errors, names) and of ``tpfn/`` as a whole.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ PACKAGE = os.path.join(ROOT, "tpfn")
 PLANS = os.path.join(PACKAGE, "plans")
 PURE = ("resolve", "refusals", "tied_outside")  # the plan layer's work at parallelize: pure
 CORE = ("layout.py", "algebra.py", "style", "plans", "interpret", "kernels", "bounded.py", "_torch.py",
-        "errors.py", "_fqn.py")
+        "errors.py", "_fqn.py", "rng.py")
 
 
 def _lines(path: str) -> int:

@@ -6,7 +6,7 @@ module FQN patterns to styles, and one interpreter, ``parallelize``.
 
 import importlib.metadata as _metadata
 
-from tpfn import algebra, checkpoint, record, rng, trace
+from tpfn import algebra, checkpoint, kernels, record, rng, trace
 from tpfn.adapters.from_hf import from_hf
 from tpfn.adapters.from_torch import from_torch
 from tpfn.adapters.lora import with_lora

@@ -491,7 +491,8 @@ def fake_ranks(mesh) -> bool:
 __all__ += [
     "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
-    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode"]
+    "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode",
+    "batched", "CONTROL_FLOW"]
 
 
 _DDP_CLASS = nn.parallel.DistributedDataParallel
@@ -511,10 +512,25 @@ def unsupported_mode() -> str | None:
         return ("torch.autograd.detect_anomaly() checks every gradient with aten._is_any_true, which "
                 "DTensor has no sharding rule for; find the NaN on one device (the model unparallelized), "
                 "or with tpfn.verify, which names the first module whose numbers differ.")
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if batched():
         return ("torch.func transforms (grad, vmap, jacrev, ...) do not run through DTensor parameters; "
                 "take gradients with torch.autograd (loss.backward() or torch.autograd.grad).")
     return None
+
+
+from torch.utils.checkpoint import _StopRecomputationError  # noqa: E402
+
+CONTROL_FLOW = (_StopRecomputationError,)
+"""Exceptions torch raises through a module to steer its own control flow, no error (a
+non-reentrant checkpoint's early stop of its recomputation)."""
+
+
+def batched(t: torch.Tensor | None = None) -> bool:
+    """Whether a ``torch.func`` transform runs now (``vmap``, ``grad``), or ``t`` is one of a batch
+    (a batched gradient's, ``autograd.grad(..., is_grads_batched=True)``)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return t is not None and (torch._C._functorch.is_legacy_batchedtensor(t) or torch._C._functorch.is_batchedtensor(t))
 
 
 def _collective_on_dtensors(op, args, kwargs):

@@ -39,21 +39,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import math
 import re
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed import tensor as _dt
 
-from tpfn._torch import (all_gather_into, all_reduced, backend_of, backend_timeout, collective_options,
-                         collectives_issued, group_store, reduce_scatter_into, set_backend_timeout)
+from tpfn._torch import (DTensorSpec, TensorMeta, all_gather_into, all_reduced, backend_of, backend_timeout,
+                         collective_options, collectives_issued, group_store, redistribute_local_tensor,
+                         reduce_scatter_into, set_backend_timeout)
+from tpfn.algebra import AllGather, AllReduce, Chunk, ReduceScatter, Split, chunk_bounds, contiguous_strides
 from tpfn.errors import CollectiveError
+from tpfn.layout import to_torch
 
-__all__ = ["DEFAULT", "seconds", "Bound", "Stalled", "failed", "collective", "announce", "step", "all_reduce",
-           "all_gather", "barrier"]
+__all__ = ["DEFAULT", "seconds", "Bound", "Stalled", "failed", "collective", "announce", "all_reduce",
+           "all_gather", "barrier", "RUN", "run"]
 
 DEFAULT = 600.0
 """Seconds a collective waits at most where neither ``timeout=`` nor a shorter group timeout says."""
@@ -64,7 +65,7 @@ PATIENCE = 3.0
 _TOLD: list = []  # (store, key) of the errors this rank told of, until it issues its next collective
 
 _REAL = ("gloo", "nccl")  # backends whose ranks are other processes
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def seconds(timeout) -> float | None:
@@ -93,7 +94,7 @@ class Bound:
     ``seconds`` (``timeout``; None: the group's own timeout, at most ``DEFAULT``). See the
     module docstring."""
 
-    __slots__ = ("group", "seconds", "delta", "backend", "sliced", "slice", "stamped", "store", "rank")
+    __slots__ = ("group", "seconds", "delta", "backend", "sliced", "slice", "stamped", "store", "rank", "made")
 
     def __init__(self, group, device: str = "cpu", timeout: float | None = None):
         backend = backend_of(group, device)
@@ -105,11 +106,16 @@ class Bound:
         self.sliced = real and backend.name() == "gloo"  # a wait that blocks the host
         self.stamped = real and not self.sliced  # the work's deadline read from the group's options
         self.slice = datetime.timedelta(seconds=min(1.0, self.seconds / 4))
-        self.store, self.rank = group_store(group) if real else None, group.rank()
+        self.store, self.rank, self.made = group_store(group) if real else None, group.rank(), {}
 
     def options(self, kind: str, **fields):
-        """The options of a ``kind`` of collective issued with the bound (``collective_options``)."""
-        return collective_options(kind, self.delta, **fields)
+        """The options of a ``kind`` of collective issued with the bound (``collective_options``),
+        made once."""
+        key = (kind, *fields.items())
+        found = self.made.get(key)
+        if found is None:
+            found = self.made[key] = collective_options(kind, self.delta, **fields)
+        return found
 
     def issue(self, op, *args):
         """``op(*args)``, a collective issued with the bound as its own timeout where the backend
@@ -367,11 +373,6 @@ def _reduce_scatter(x: torch.Tensor, dim: int, n: int, bound: Bound, options, wa
     return _done(out, bound.issue(reduce_scatter_into, out, flat, bound.group, options), bound, wait)
 
 
-def _chunk(x: torch.Tensor, dim: int, n: int, rank: int, wait: bool = True):
-    out = x.chunk(n, dim)[rank].clone(memory_format=torch.contiguous_format)
-    return out if wait else lambda: out
-
-
 def barrier(what: str) -> None:
     """Wait until every rank of the default group reaches it (nothing where torch.distributed
     is not initialized); a ``CollectiveError`` naming ``what`` where a rank fails or stays away."""
@@ -380,36 +381,68 @@ def barrier(what: str) -> None:
             bound.wait(bound.issue(bound.group.barrier, bound.options("barrier")))
 
 
-def step(src, dst, mesh, shape: tuple, bound: Bound):
-    """Local tensor -> local tensor moving torch placement ``src`` to ``dst`` on the 1-D
-    ``mesh`` for a tensor of global ``shape``, as one plain collective waited with ``bound``
-    (the same numbers as DTensor's; the input is never written), or None where no plain
-    collective does it (uneven or packed shards, reductions other than a sum, shard to
-    shard: DTensor's path). Called with ``wait=False``, the function starts the collective
-    and returns a function that waits for it and returns the result.
+# --- the algebra's steps, each run by its plain collective ---------------------------------
+
+
+def _even(shape: tuple, dim: int, n: int) -> bool:
+    return shape[dim] % n == 0
+
+
+def _gather(step, x, mesh, shape, bound, wait):
+    if step.parts == 1 and _even(shape, step.dim, mesh.size()):
+        return all_gather(x, step.dim, mesh.size(), bound, wait)
+    return None
+
+
+def _sum(step, x, mesh, shape, bound, wait):
+    return all_reduce(x, step.op, bound, wait) if step.op in _OPS else None
+
+
+def _scatter(step, x, mesh, shape, bound, wait):
+    if step.op == "sum" and _even(shape, step.dim, mesh.size()):
+        return _reduce_scatter(x, step.dim, mesh.size(), bound, bound.options("reduce_scatter"), wait)
+    return None
+
+
+def _chunk(step, x, mesh, shape, bound, wait):
+    if step.parts != 1:
+        return None
+    dim = step.dim % x.ndim
+    out = x.narrow(dim, *chunk_bounds(x.shape[dim], mesh.size(), mesh.get_coordinate()[0]))
+    out = out.clone(memory_format=torch.contiguous_format)
+    return out if wait else lambda: out
+
+
+def _split(step, x, mesh, shape, bound, wait):
+    out = x / mesh.size() if step.op == "sum" else x.clone()  # DTensor's terms of a replica
+    return out if wait else lambda: out
+
+
+RUN = {AllGather: _gather, AllReduce: _sum, ReduceScatter: _scatter, Chunk: _chunk, Split: _split}
+"""Each step of the algebra (``tpfn.algebra.transition``) by the plain collective that runs it:
+``run(step, x, mesh, shape, bound, wait)`` returns the moved local tensor (None where it cannot:
+uneven shards, packed parts, an unsupported reduction)."""
+
+
+def run(step, x: torch.Tensor, mesh, shape: tuple, bound: Bound, wait: bool = True):
+    """Local ``x`` of a tensor of global ``shape`` moved by the algebra's ``step`` on the 1-D
+    ``mesh``, a new tensor (``x`` is never written): by its plain collective (``RUN``) waited with
+    ``bound``, else (an all-to-all, uneven shards; simulated or fake ranks) by DTensor's
+    redistribution, issued with the bound. ``wait=False``: a function that waits and returns it,
+    the collective left running.
 
     >>> from torch.distributed.device_mesh import init_device_mesh
     >>> mesh = init_device_mesh("cpu", (1,))
-    >>> bound = Bound(mesh.get_group())
-    >>> step(_dt.Partial(), _dt.Replicate(), mesh, (2, 3), bound)(torch.ones(2, 3)).shape
+    >>> run(AllReduce(), torch.ones(2, 3), mesh, (2, 3), Bound(mesh.get_group())).shape
     torch.Size([2, 3])
-    >>> step(_dt.Shard(0), _dt.Shard(1), mesh, (2, 3), bound) is None
-    True
     """
-    n = mesh.size()
-
-    def even(p) -> bool:  # a plain shard (not packed) that the mesh divides
-        return type(p) is _dt.Shard and shape[p.dim] % n == 0
-
-    if isinstance(src, _dt.Partial) and src.reduce_op == "sum":
-        if isinstance(dst, _dt.Replicate):
-            return functools.partial(all_reduce, op="sum", bound=bound,
-                                     options=bound.options("allreduce", reduceOp=dist.ReduceOp.SUM))
-        if even(dst):
-            return functools.partial(_reduce_scatter, dim=dst.dim, n=n, bound=bound,
-                                     options=bound.options("reduce_scatter"))
-    if even(src) and isinstance(dst, _dt.Replicate):
-        return functools.partial(all_gather, dim=src.dim, n=n, bound=bound, options=bound.options("allgather"))
-    if isinstance(src, _dt.Replicate) and even(dst):
-        return functools.partial(_chunk, dim=dst.dim, n=n, rank=mesh.get_coordinate()[0])
-    return None
+    plain = RUN.get(type(step))
+    if plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
+        out = plain(step, x, mesh, shape, bound, wait)
+        if out is not None:
+            return out
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), x.dtype)
+    src, dst = (DTensorSpec(mesh, to_torch(p, len(shape)), tensor_meta=meta) for p in (step.src, step.dst))
+    with bound.issuing():
+        out = redistribute_local_tensor(x.contiguous(), src, dst)
+    return out if wait else lambda: out

@@ -127,7 +127,7 @@ class _Recorder(TorchDispatchMode):
             else:  # the node running it, or the move whose collective a linear starts early
                 node = current_node()
                 if node is not None:  # (a linear kernel's node: 1 where its weight gradients overlap)
-                    seq, early = sequence_nr(node), getattr(node, "overlaps", 0)
+                    seq, early = sequence_nr(node), node.metadata.get("overlaps", 0)
                 fqn, phase = self._creator(seq), "backward"
             if op_kind not in KINDS:
                 where = "code outside every module" if fqn is None else repr(fqn or "<root>")

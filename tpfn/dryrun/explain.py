@@ -154,13 +154,6 @@ def _rows(module: nn.Module, shown, n: int) -> list:
     return rows
 
 
-def _observe(x):
-    """(layout or None for a plain tensor, ndim) of a tensor; None for anything else."""
-    if isinstance(x, DTensor):
-        return from_torch(x.placements), x.ndim
-    return (None, x.ndim) if isinstance(x, torch.Tensor) else None
-
-
 def _slots(mount) -> list:
     """(label, slot) of every input and output slot a mount prepares."""
     spec_in, spec_out = mount.inputs, mount.outputs
@@ -186,23 +179,12 @@ def _transitions(mount, seen, ran: bool) -> tuple:
 
 
 def _watch(module: nn.Module, seen: dict, block) -> None:
-    """Note (on the dry run's own copy) the layouts at each mounted module's slots as they
-    arrive in ``seen[fqn]``, and the width and element size of ``block``'s input in
-    ``seen[None]``."""
-    def watcher(found: dict):
-        def watch(label, x):
-            if label not in found and _observe(x) is not None:
-                found[label] = _observe(x)
-        return watch
-
+    """Note the width and element size of ``block``'s input in ``seen[None]``."""
     def block_input(m, args, kwargs):
         if None not in seen:
             x = next(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
             seen[None] = (x.shape[-1], x.dtype.itemsize)
 
-    for fqn, sub in module.named_modules():
-        if runtime(sub) is not None:
-            runtime(sub).watch = watcher(seen.setdefault(fqn, {}))
     block_input.observes_only = True  # (see tpfn._torch.hooked)
     if block is not None:
         module.get_submodule(block).register_forward_pre_hook(block_input, prepend=True, with_kwargs=True)
@@ -250,7 +232,7 @@ def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, valu
     _watch(model, seen, block)
     nodes: list = []
     slots = Slots(model, {fqn: [label for label, slot in _slots(m) if not slot.untouched]
-                          for fqn, m in mounts.items()}, nodes)
+                          for fqn, m in mounts.items()}, nodes, seen)
     args = tuple(x.meta(values) if isinstance(x, ExampleInput) else x for x in args)
     kwargs = {k: x.meta(values) if isinstance(x, ExampleInput) else x for k, x in kwargs.items()}
     phase, saved = "forward", []
@@ -306,8 +288,7 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
             if r.fqn in mounts else r for r in rows]
     flows = () if slots is None else slots.flows(
         tuple(comms), mesh, {r.fqn: {t.slot: t for t in r.transitions} for r in rows})
-    states = [runtime(m).state for m in model.modules() if runtime(m) is not None]
-    partial = states[0].partial_grads.fqns if states else ()
+    partial = tuple(fqn for m in model.modules() if runtime(m) is not None for fqn in runtime(m).partial.fqns)
     described = [(f"input {i}", x) for i, x in enumerate(args or ())] + list((kwargs or {}).items())
     examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)

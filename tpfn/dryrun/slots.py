@@ -1,9 +1,10 @@
 """Which slot of which bound module ran each collective of a dry run, and what each slot handed on.
 
-``Slots`` watches every call of every bound module on the dry run's own copy of the model:
-the autograd sequence numbers around its input moves (from its forward pre-hook to its own
-forward) and around its output moves (from its outputs' arrival to its forward hook), and
-the tensor each slot hands on. A call's moves make their autograd nodes slot by slot, so
+``Slots`` observes every call of every bound module on the dry run's own copy of the model (it
+is the model's ``State.observer``): the layout of each slot's value as it arrives, the autograd
+sequence numbers around its input moves (from the call's start to its own computation) and
+around its output moves (from its outputs' arrival to its forward hook), and the tensor each
+slot hands on. A call's moves make their autograd nodes slot by slot, so
 the node a handed-on tensor's gradient starts from closes its slot's range of sequence
 numbers. A backward collective runs in a node: the slot whose range holds that node ran it.
 A forward collective is noted with the number the next node will get (``record(...,
@@ -12,6 +13,8 @@ input that needs no gradient) is told apart by the algebra's count of its steps.
 """
 
 from __future__ import annotations
+
+import functools
 
 import attrs
 import torch
@@ -23,7 +26,7 @@ from tpfn.algebra import Chunk
 from tpfn.dryrun.report import Flow
 from tpfn.interpret.parallelize import runtime
 from tpfn.interpret.state import recall
-from tpfn.layout import to_torch
+from tpfn.layout import from_torch, to_torch
 
 __all__ = ["Slots", "storage_of"]
 
@@ -63,6 +66,13 @@ class _Window:
         return out
 
 
+def _observe(x):
+    """(layout or None for a plain tensor, ndim) of a tensor; None for anything else."""
+    if isinstance(x, DTensor):
+        return from_torch(x.placements), x.ndim
+    return (None, x.ndim) if isinstance(x, torch.Tensor) else None
+
+
 def _input(label: str, args: tuple, kwargs: dict, names: tuple):
     """The value of input slot ``label`` (``"input 0"``, ``"input 'mask'"``) in a call."""
     key = label.removeprefix("input ")
@@ -83,54 +93,78 @@ def _output(label: str, output):
 
 
 class Slots:
-    """Watch the slots of every bound module of ``model`` (a dry run's copy, parallelized):
-    ``labels`` holds each bound module's labels of the slots it moves, in the order it moves
-    them; ``nodes`` is the list ``record`` fills alongside its collectives."""
+    """The observer of ``model`` (a dry run's copy, parallelized): ``labels`` holds each bound
+    module's labels of the slots it moves, in the order it moves them; ``nodes`` is the list
+    ``record`` fills alongside its collectives; ``seen[fqn][label]`` gets the layout and ndim
+    of the first value each slot of each bound module received (``_observe``)."""
 
-    def __init__(self, model: nn.Module, labels: dict, nodes: list):
-        self.labels, self.nodes = labels, nodes
+    def __init__(self, model: nn.Module, labels: dict, nodes: list, seen: dict):
+        self.labels, self.nodes, self.seen = labels, nodes, seen
         self.calls: dict = {fqn: [] for fqn in labels}  # fqn -> [(inputs, outputs) window]
         self.open: dict = {fqn: [] for fqn in labels}
         for fqn, sub in model.named_modules():
-            if fqn in labels:
-                self._install(fqn, sub, runtime(sub))
+            rt = runtime(sub)
+            if rt is not None:
+                rt.state.observer = self
+                if fqn in labels:
+                    end = functools.partial(self._end, fqn)
+                    end.observes_only = True  # (changes no module: see tpfn._torch.hooked)
+                    sub.register_forward_hook(end)
 
-    def _install(self, fqn: str, sub: nn.Module, rt) -> None:
+    def _window(self) -> _Window:
+        return _Window(next_sequence_nr(), len(self.nodes))
+
+    def _saw(self, fqn: str, label: str, x) -> None:
+        found = self.seen.setdefault(fqn, {})
+        if label not in found and _observe(x) is not None:
+            found[label] = _observe(x)
+
+    def inputs(self, rt, args: tuple, kwargs: dict) -> None:
+        """A call of ``rt``'s module starts, its inputs as they arrive."""
+        fqn, names = rt.mount.fqn, rt.mount.names or ()
+        for i in range(max(len(args), len(rt.mount.inputs.slots))):
+            self._saw(fqn, f"input {i}", _input(f"input {i}", args, kwargs, names))
+        for name, _ in rt.mount.inputs.kwargs:
+            self._saw(fqn, f"input {name!r}", kwargs.get(name))
+        if fqn in self.labels:
+            self.open[fqn].append([self._window(), None])
+
+    def computes(self, rt, args: tuple, kwargs: dict, made: tuple = ()) -> None:
+        """Its own computation starts on the inputs moved (``made``: per input, the node that
+        moved it where its value has none: a kernel's input, moved inside the kernel's node)."""
+        fqn = rt.mount.fqn
+        if fqn in self.labels:
+            inputs = [label for label in self.labels[fqn] if label.startswith("input")]
+            names = rt.mount.names or ()
+            self.open[fqn][-1][0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs], made)
+
+    def outputs(self, rt, output) -> None:
+        """Its computation ended with ``output``, before its output slots."""
+        fqn = rt.mount.fqn
+        items = list(output.values()) if isinstance(output, dict) else (
+            list(output) if isinstance(output, (tuple, list)) else [output])
+        for i, x in enumerate(items):
+            self._saw(fqn, f"output {i}", x)
+        for key, _ in rt.mount.outputs.keys:
+            self._saw(fqn, f"output {key!r}", output.get(key) if isinstance(output, dict) else None)
+        if fqn in self.labels and self.open[fqn]:
+            self._outputs_start(fqn, self.open[fqn][-1])
+
+    def _outputs_start(self, fqn: str, call: list) -> None:
         inputs = [label for label in self.labels[fqn] if label.startswith("input")]
+        if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
+            call[0].close(self.nodes, [None] * len(inputs))
+        if call[1] is None:
+            call[1] = self._window()
+
+    def _end(self, fqn: str, module, args, output) -> None:
+        if not self.open[fqn]:
+            return
+        call = self.open[fqn].pop()
+        self._outputs_start(fqn, call)
         outputs = [label for label in self.labels[fqn] if label.startswith("output")]
-        watch, names = rt.watch, rt.mount.names or ()
-        window = lambda: _Window(next_sequence_nr(), len(self.nodes))  # noqa: E731
-
-        def begin(module, args):
-            self.open[fqn].append([window(), None])
-        begin.observes_only = True  # (changes no module: see tpfn._torch.pre_hooked)
-
-        def starts(args, kwargs, made=()):  # the module's own computation starts: inputs moved
-            call = self.open[fqn][-1]
-            call[0].close(self.nodes, [_input(label, args, kwargs, names) for label in inputs], made)
-
-        def outputs_start(call):
-            if call[0].end is None:  # the module's own forward never ran (a no-op dropout)
-                call[0].close(self.nodes, [None] * len(inputs))
-            call[1] = window()
-
-        def watched(label, x):
-            if watch is not None:
-                watch(label, x)
-            if label.startswith("output") and self.open[fqn] and self.open[fqn][-1][1] is None:
-                outputs_start(self.open[fqn][-1])
-
-        def end(module, args, output):
-            call = self.open[fqn].pop()
-            if call[1] is None:
-                outputs_start(call)
-            call[1].close(self.nodes, [_output(label, output) for label in outputs])
-            self.calls[fqn].append(call)
-
-        end.observes_only = True
-        sub.register_forward_pre_hook(begin)
-        sub.register_forward_hook(end)
-        rt.starts, rt.watch = starts, watched
+        call[1].close(self.nodes, [_output(label, output) for label in outputs])
+        self.calls[fqn].append(call)
 
     def _owners(self, fqn: str, comms: tuple, transitions: dict) -> dict:
         """``{label: ([forward collective index], [backward collective index])}`` of ``fqn``."""

@@ -5,26 +5,25 @@ untouched), builds the DTensor parameters (the only communication), and only the
 the module, in two ways and nowhere else:
 
 - every parameter the plan places becomes a DTensor parameter (tied ones stay one);
-- every bound module's ``forward`` becomes a ``Runtime``: its inputs through their slots,
-  its computation (a fast kernel's, ``tpfn.kernels``, or the module's own forward), its
-  outputs through their slots; and ``load_state_dict`` of one device's whole tensors gives each
-  rank its part (a load pre-hook). PyTorch's fused encoder path, which reads a layer's weights
-  past its submodules, is turned off for the layers it parallelizes. A module that computes on local shards (a ``Kernel``) is handed
-  its parameters' local shards for the duration of its own forward only; a ``finally`` puts the
-  DTensor parameters back, so no exception, ``KeyboardInterrupt`` or hook can see or keep the swap.
-  The attributes its style holds per rank (``per_rank``) hold those values for the same span.
+- every bound module's ``forward`` becomes a ``Runtime``: a context around its computation, by
+  the fast kernel its row names (``tpfn.kernels``) where that takes the call, else by the
+  reference route (``tpfn.interpret.reference``); and ``load_state_dict`` of one device's whole
+  tensors gives each rank its part (a load pre-hook). PyTorch's fused encoder path, which reads a
+  layer's weights past its submodules, is turned off for the layers it parallelizes.
 
-Hooks on a bound module see its inputs as they arrive and its outputs as its style hands
-them on (a row-wise module's are summed), whenever they were registered.
+Everything a call reads of the module is read as it is then: its parameters (one replaced after
+``parallelize`` is used where it is laid out as the plan placed it, else refused by name), its
+hooks, whether it trains. Hooks on a bound module see its inputs as they arrive and its outputs
+as its style hands them on (a row-wise module's are summed), whenever they were registered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import operator
+import threading
 import warnings
 
 import torch
@@ -33,72 +32,89 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, join
-from tpfn._torch import buffers_of, current_mesh, has_pre_hook, move_gradient_hooks, parameters_of, unsupported_mode
+from tpfn._torch import (CONTROL_FLOW, buffers_of, current_mesh, has_pre_hook, move_gradient_hooks, parameters_of,
+                         rank_sizes, unsupported_mode)
 from tpfn.algebra import cotangent, unpackable
 from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
-from tpfn.interpret.moves import Moves, dropout_slice, local_params, param_slots, placements, vocab_mask
-from tpfn.interpret.prepare import (Context, convert, global_shape, inputs, local_value, outputs_of, per_head,
-                                    placed_tensor, shard_params)
-from tpfn.interpret.rng import sharded
-from tpfn.interpret.state import State
-from tpfn.kernels import KERNELS, Group
+from tpfn.interpret.moves import Move
+from tpfn.interpret.prepare import local_value, placed_tensor, shard_params
+from tpfn.interpret.reference import Call, param_slots, reference
+from tpfn.interpret.state import PartialGrads, State
 from tpfn.layout import Partial, Replicate, Shard, from_torch
 from tpfn.plans.mount import Mount, local_sizes
 from tpfn.plans.plan import Plan, resolve
 from tpfn.plans.refusals import refusals, tied_outside
 from tpfn.style.style import Style
 
-__all__ = ["parallelize", "mounted", "runtime", "Runtime"]
+__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST"]
 
 log = logging.getLogger("tpfn")
 
+FAST: dict = {}
+"""The fast kernels by the name a row gives them (``Meaning.fast``): ``call(c)`` computes the call
+``c`` (a ``tpfn.interpret.reference.Call``), or returns None for the reference route to compute
+it. ``tpfn.kernels`` registers them."""
+
 _STREAMS = itertools.count()  # numbers the bound modules' random streams, in the order they are bound
+_CALLS = threading.local()  # how many bound modules' calls this thread is inside
 
 
 class Runtime:
-    """A bound module's ``forward``: its mount run on ``mesh``, in three steps: its inputs
-    through their slots; its computation, by the fast kernel its row names where it takes the
-    call (``tpfn.kernels``), else by the reference route (the module's own forward on local views
-    of its parameters' shards, or on DTensors); its outputs through their slots. ``state`` is what
-    the parallelized model remembers; ``cache`` keeps the steps of this module's moves; ``group``
-    is the ``tpfn.kernels.Group`` of the parent whose local replica this module may read as it is,
-    ``ctx.group`` the one of the replicas this module makes (``parallelize`` sets both);
-    ``watch(label, value)``, when set, sees every slot's value as it arrives, and
-    ``starts(args, kwargs, made)`` the inputs as the module's own computation starts, with the
-    node that moved each where a kernel moved it (``tpfn.explain`` reads layouts, and where each
-    slot's moves end, with them). Neither changes the route."""
+    """A bound module's ``forward``: its ``mount`` run on ``mesh``. Around the computation, a
+    context: a mode tpfn cannot follow refused; the parameters checked as they are now; the
+    attributes its style holds per rank set; an error named (the module, the likely cause) and,
+    where it leaves the outermost bound module, told to the other ranks (torch's control flow,
+    a checkpoint's early stop, is no error). Inside, ``fast(call)`` (the kernel its row names),
+    else ``reference(call)``. ``state`` is what the parallelized model shares; ``cache`` keeps
+    this module's moves and gradient specs; ``partial`` watches its parameters whose gradients
+    are partial sums until the end of the backward."""
 
-    def __init__(self, mount, mesh, state: State, module: nn.Module, overlap: bool = True, kernels: bool = True):
-        self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.overlap, self.cache, self.watch, self.starts, self.group = overlap, Moves(state.bound), None, None, None
-        kernel = mount.kernel
-        own = None if kernel is None else kernel.forward  # the kind's forward reads global sizes
-        self.forward = module.forward if own is None else functools.partial(own, module, mesh, mount.where)
-        self.slots = param_slots(module, mount.owned) if kernel is not None else ()
-        self.fast = KERNELS[kernel.fast] if kernels and kernel is not None and kernel.fast else None
-        self.grads = tuple(
-            kernel.inputs[i][1] if kernel is not None and i < len(kernel.inputs)
-            and kernel.inputs[i][0] is not None else (None if s.untouched else cotangent(s.out)[0])
-            for i, s in enumerate(mount.inputs.slots))
-        out = mount.outputs.slots[0] if kernel is not None and kernel.output is not None else None
-        self.out_grad = None if out is None else cotangent(out.out)[0]
-        self.ctx = Context(mount.where, mount.names or (), self.grads, state.shapes, self.cache)
-        # its parameters' gradients are partial sums: a backward through its output sums them at its end
-        self.arms = kernel is not None and any(isinstance(layout, Partial) for _, layout in kernel.grads)
+    def __init__(self, mount: Mount, mesh, state: State, module: nn.Module, overlap: bool = True, fast=None):
+        self.mount, self.mesh, self.state, self.module, self.overlap, self.fast = mount, mesh, state, module, overlap, fast
+        self.forward, self.cache = module.forward, {}
+        shards = mount.shards
+        self.grads = tuple(  # the layout of each input's gradient: as it computes, else the cotangent
+            shards.grads[i] if shards is not None and i < len(shards.desired) and shards.desired[i] is not None
+            else None if s.untouched else cotangent(s.out)[0] for i, s in enumerate(mount.inputs.slots))
+        self.slots = param_slots(module, mount.owned) if shards is not None else ()
+        self.placed = tuple(_placed(module, mount.fqn, name, layout) for name, layout in mount.params
+                            if isinstance(placed_tensor(module, name), DTensor))
+        self.seen = [None] * len(self.placed)  # the tensors found laid out as placed
+        self.partial = PartialGrads(None if state.bound is None else state.bound.seconds)
+        for name, layout in (shards.param_grads if shards is not None else ()):
+            if isinstance(layout, Partial):  # partial sums, summed at the end of a backward through its output
+                self.partial.watch(module, name, join(mount.fqn, name))  # (frozen or not: it may be unfrozen)
         self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
         self.stream = f"{next(_STREAMS)}:{mount.fqn}"  # its own random stream's key, the same run to run
+        self.readers = ()  # its children whose fast kernels read its local replicas (parallelize sets them)
+
+    @property
+    def observer(self):
+        """What sees this module's slots (``State.observer``; None: nothing)."""
+        return self.state.observer
+
+    def move(self, src, dst, grad, shape: tuple, dtype, to=None) -> Move:
+        """The ``Move`` of a local tensor of global ``shape`` and ``dtype`` (``tpfn.interpret.moves``), made once."""
+        key = (src, dst, grad, rank_sizes(shape), dtype, to)  # (sizes that differ by simulated rank: hashable)
+        found = self.cache.get(key)
+        if found is None:
+            found = self.cache[key] = Move(src, dst, grad, self.mesh, shape, self.state.bound, to)
+        return found
 
     def __call__(self, *args, **kwargs):
-        if not torch.compiler.is_compiling() and (refused := unsupported_mode()) is not None:
-            raise RuntimeError(f"{self.mount.where}: {refused}")
-        if self.watch is not None:
-            for i, name in enumerate(self.mount.names or range(len(args))):
-                self.watch(f"input {i}", args[i] if i < len(args) else kwargs.get(name))
-            for name, _ in self.mount.inputs.kwargs:
-                self.watch(f"input {name!r}", kwargs.get(name))
-        group, held = None if torch.compiler.is_compiling() else self.ctx.group, []
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            if (refused := unsupported_mode()) is not None:
+                raise RuntimeError(f"{self.mount.where}: {refused}")
+            self._check()
+        if self.observer is not None:
+            self.observer.inputs(self, args, kwargs)
+        depth = 0 if compiling else getattr(_CALLS, "depth", 0)
+        call, held = Call(self, args, kwargs), []
         try:
+            if not compiling:
+                _CALLS.depth = depth + 1
             for owner, name, whole, value in self.sizes:  # its attributes hold their per-rank values (per_rank)
                 holder = operator.attrgetter(owner)(self.module) if owner else self.module
                 if (now := getattr(holder, name)) not in (whole, value):
@@ -106,119 +122,51 @@ class Runtime:
                                       f"per-rank value parallelize made {value}; set it before parallelize.")
                 held.append((holder, name, now))
                 setattr(holder, name, value)
-            for name, heads in self.mount.per_head:  # the rows of its heads
-                args, kwargs = self._with(args, kwargs, name, lambda x: per_head(
-                    x, heads, self.mesh, f"input {name!r} of {self.mount.where}", self.cache))
-            if group is None:
-                output, shape = self._compute(args, kwargs)
-            else:  # its replicas' readers: whether they may leave their gradients partial, as it ends
-                group.open()
-                output = None
-                try:
-                    output, shape = self._compute(args, kwargs)
-                finally:
-                    group.close(output)
-        except BaseException as error:  # told to the other ranks; torch's bare error: the module and cause named
-            named = module_error(error, self.mount, self.module, self._first(args, kwargs))
-            announce(error if named is None else named, self.state.bound)
+            output = None if self.fast is None else self.fast(call)
+            if output is None:
+                output = reference(call)
+        except BaseException as error:
+            if compiling or isinstance(error, CONTROL_FLOW):  # (torch's own control flow: no error)
+                raise
+            named = module_error(error, self.mount, self.module, call.first)
+            if depth == 0:  # leaving every bound module: the other ranks stop waiting for this one
+                announce(error if named is None else named, self.state.bound)
             if named is not None:
                 raise named from error
             raise
         finally:
+            if not compiling:
+                _CALLS.depth = depth
             for holder, name, value in reversed(held):
                 setattr(holder, name, value)
-        if self.arms and torch.is_grad_enabled():
-            self.state.partial_grads.arm(output)
-        return self._outputs(output, shape)
+        if self.partial.watched and torch.is_grad_enabled():
+            self.partial.arm(output)
+        return output
 
-    def _compute(self, args, kwargs) -> tuple:
-        """``(the module's output, input 0's global shape or None)``: inputs moved, then computed."""
-        mount, kernel, mesh = self.mount, self.mount.kernel, self.mesh
-        if kernel is None:
-            args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx)
-            if self.starts is not None:
-                self.starts(args, kwargs)
-            compiling = torch.compiler.is_compiling()  # (DTensor's collectives as it computes: bounded)
-            with contextlib.nullcontext() if compiling else self.state.bound.issuing():
-                return self.forward(*args, **kwargs), None
-        first, shape = self._first(args, kwargs), None
-        if first is None and mount.inputs.slots and not mount.inputs.slots[0].untouched:
-            raise TypeError(f"input 0 of {mount.where} is None, but {mount.style!r} computes on it "
-                            f"({mount.inputs.slots[0].out!r}); pass it a tensor.")
-        if isinstance(first, torch.Tensor) and mount.inputs.slots and not mount.inputs.slots[0].untouched:
-            shape = global_shape(first, mount.inputs.slots[0], mesh, self.state.shapes,
-                                 f"input 0 of {mount.where}", exact=kernel.random == "slice")
-        if self.fast is not None and shape is not None and len(args) == 1 and not kwargs:
-            found = self.fast(self, first, shape)
-            if found is not None:
-                if self.starts is not None:  # (its input moved inside the kernel's node)
-                    self.starts((found[1],), {}, (found[0].grad_fn,))
-                return found[0], shape
-        args, kwargs = inputs(args, kwargs, mount.inputs, mesh, self.ctx, first_shape=shape)
-        first, mask = self._first(args, kwargs), None
-        if kernel.vocab:  # ids outside this rank's vocabulary slice are masked
-            ids, mask = vocab_mask(first, self.module, mesh, f"input 0 of {mount.where}")
-            args, kwargs = self._with(args, kwargs, 0, lambda _: ids)
-        if kernel.random == "slice":  # nn.Dropout: this rank's slice of one device's noise
-            if not (self.module.training and self.module.p > 0):
-                return first, shape
-            dim = placements(kernel.output, first.ndim)[0].dim
-            return first * dropout_slice(self.module, first, shape, dim, mesh), shape
-        views = local_params(self.slots, kernel, mesh, self.cache)
-        if self.starts is not None:
-            self.starts(args, kwargs)
-        saved = [(table, name, table[name]) for table, name, _ in views]
-        try:
-            for table, name, view in views:
-                table[name] = view
-            # in training a seed is drawn, so every call's masks are new; in eval mode the
-            # default stream goes on as one device's (tpfn.interpret.rng)
-            with sharded(mesh, None if self.module.training else self.stream) if kernel.random == "fork" \
-                    else contextlib.nullcontext():
-                output = self.forward(*args, **kwargs)
-        finally:
-            for table, name, param in saved:
-                table[name] = param
-        if mask is not None and isinstance(output, torch.Tensor):
-            output = output.masked_fill(mask.unsqueeze(-1), 0)
-        return output, shape
+    def _check(self) -> None:
+        """Refuse, by name, a parameter replaced since ``parallelize`` by one not laid out as placed."""
+        for i, (table, leaf, owner, layout, placements, mesh) in enumerate(self.placed):
+            now = table[leaf]
+            if now is self.seen[i]:
+                continue
+            if not (isinstance(now, DTensor) and now.placements == placements and now.device_mesh == mesh):
+                held = (f"a DTensor laid out {now.placements} on {now.device_mesh}" if isinstance(now, DTensor)
+                        else f"a {type(now).__name__}")
+                raise ModuleError(
+                    f"{self.mount.where}: parameter {leaf!r} of {owner!r} is {held}, but parallelize placed it "
+                    f"{layout!r} ({placements} on {mesh}): it was replaced after parallelize. Replace it by a "
+                    "DTensor laid out alike (nn.Parameter(distribute_tensor(value, mesh, placements))), or "
+                    "copy values into the one there (load_state_dict, or copy_ under torch.no_grad()).")
+            self.seen[i] = now
 
-    def _first(self, args, kwargs):
-        names = self.mount.names
-        return args[0] if args else kwargs.get(names[0]) if names else None
 
-    def _with(self, args, kwargs, key, change):
-        """``(args, kwargs)`` with input ``key`` (a position, or a name, passed by keyword or by
-        position) changed by ``change``."""
-        names = self.mount.names
-        i = key if isinstance(key, int) else names.index(key) if key in names else len(args)
-        if i < len(args):
-            return (*args[:i], change(args[i]), *args[i + 1:]), kwargs
-        name = names[i] if isinstance(key, int) else key
-        return args, {**kwargs, name: change(kwargs[name])} if kwargs.get(name) is not None else kwargs
-
-    def _outputs(self, output, in_shape):
-        """The module's output through its slots; a kernel's through its declared layout."""
-        mount, kernel = self.mount, self.mount.kernel
-        if self.watch is not None:
-            items = list(output.values()) if isinstance(output, dict) else (
-                list(output) if isinstance(output, (tuple, list)) else [output])
-            for i, x in enumerate(items):
-                self.watch(f"output {i}", x)
-            for key, _ in mount.outputs.keys:
-                if isinstance(output, dict):
-                    self.watch(f"output {key!r}", output.get(key))
-        if kernel is None or kernel.output is None or mount.outputs.keys:  # (keys: only a dict has them)
-            return outputs_of(output, mount.outputs, self.mesh, self.ctx)
-        slot = mount.outputs.slots[0]
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(
-                f"the output of {mount.where} is {type(output).__name__}, not a tensor, but "
-                f"{mount.style!r} declares one output laid out {slot.given!r}; return one "
-                "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
-        shape = kernel.out_shape(self.module, in_shape)
-        return convert(output, slot, self.mesh, local=mount.outputs.local, grad=self.out_grad, shape=shape,
-                       what=f"the output of {mount.where}", shapes=self.state.shapes, cache=self.cache)
+def _placed(module: nn.Module, fqn: str, name: str, layout) -> tuple:
+    """``(table, leaf, owner's FQN, layout, torch placements, mesh)`` of the parameter ``name``
+    of the bound ``module`` (``fqn``) that ``parallelize`` placed, as it is now."""
+    owner, _, leaf = name.rpartition(".")
+    sub = module.get_submodule(owner)
+    table = parameters_of(sub) if leaf in parameters_of(sub) else buffers_of(sub)
+    return table, leaf, join(fqn, owner) or "<root>", layout, table[leaf].placements, table[leaf].device_mesh
 
 
 def runtime(module: nn.Module) -> Runtime | None:
@@ -351,8 +299,8 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
              f"({mounted(modules[m.fqn]).style!r}); parallelize a fresh module, or "
              "leave it out of this plan." for m in bound if mounted(modules[m.fqn])]
     rule, tied = _placements(modules, bound, mesh.size())
-    fits = [(m, m.kernel.fits(modules[m.fqn], mesh.size())) for m in bound
-            if m.kernel is not None and m.kernel.fits is not None]  # n ranks and the kind's needs
+    fits = [(m, m.row.fits(modules[m.fqn], mesh.size())) for m in bound
+            if m.row is not None and m.row.fits is not None]  # n ranks and the kind's needs
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
     found += [why for m in bound for why in local_sizes(m, modules[m.fqn], mesh.size())[1]]
     found += refusals(modules, bound, mesh.size())
@@ -370,25 +318,19 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             for name, param in list(table.items()):
                 if param is not None and id(param) in replacement:
                     table[name] = replacement[id(param)]
-    readers = {}
     for m in bound:
         sub = modules[m.fqn]
-        for name, layout in (m.kernel.grads if m.kernel else ()):
-            if isinstance(layout, Partial):  # (frozen now or not: it may be unfrozen later)
-                state.partial_grads.watch(sub, name, join(m.fqn, name))
-        sub.forward = Runtime(m, mesh, state, sub, overlap, kernels)
+        fast = FAST.get(m.row.fast) if kernels and m.row is not None else None
+        sub.forward = Runtime(m, mesh, state, sub, overlap, fast)
         if m.params:
             sub.register_load_state_dict_pre_hook(_whole_to_shards)
-        if _reads_replica(sub.forward):
-            readers.setdefault(m.fqn.rpartition(".")[0], []).append(sub.forward)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("parallelize: %s", m)
-    for parent, readers in readers.items():
-        owner = runtime(modules[parent])
-        if kernels and owner is not None and owner.mount.kernel is None:  # its replicas, read as they are
-            owner.ctx.group = Group()
-            for reader in readers:
-                reader.group = owner.ctx.group
+    for m in bound:  # a parent's local replica, read by its children's fast kernels
+        parent = runtime(modules[m.fqn.rpartition(".")[0]]) if m.fqn else None
+        if parent is not None and parent.mount.shards is None and parent.mount.inputs.local \
+                and _reads_replica(runtime(modules[m.fqn])):
+            parent.readers += (modules[m.fqn],)
     for fqn, problem in tied_outside(modules, bound).items():
         modules[fqn].register_forward_pre_hook(functools.partial(_refused, problem))
     _no_fused_paths(module)
@@ -396,8 +338,10 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
 
 
 def _refused(problem: str, module, args) -> None:
-    """A forward pre-hook on a module that would compute with another's shard: refused by name."""
-    raise PlanError([problem])
+    """A forward pre-hook on a module that would compute with another's shard: refused by name,
+    unless a later ``parallelize`` bound it (a model parallelized part by part)."""
+    if runtime(module) is None:
+        raise PlanError([problem])
 
 
 def _whole_to_shards(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
@@ -439,11 +383,10 @@ def _no_fused_paths(module: nn.Module) -> None:
 
 
 def _reads_replica(rt: Runtime) -> bool:
-    """Whether ``rt``'s fast kernel may read its parent's local replica as it is: one input, a
-    replica left so, whose gradient comes back as partial sums."""
-    slots, grads = rt.mount.inputs.slots, rt.grads
-    if rt.fast is None or not slots or rt.mount.inputs.arity not in (None, 1) or rt.mesh.size() == 1:
+    """Whether ``rt``'s fast kernel may hand its partial input gradient to the node of a local
+    replica it reads as it is: one input, a replica left so, its gradient a partial sum."""
+    slots = rt.mount.inputs.slots
+    if rt.fast is None or not slots or rt.mount.inputs.arity not in (None, 1):
         return False
     first = slots[0]
-    return not first.untouched and first.grad is None and isinstance(first.source, Replicate) \
-        and isinstance(first.out, Replicate) and isinstance(grads[0], Partial) and grads[0].op == "sum"
+    return first.grad is None and first.source == Replicate() and first.out == Replicate() and rt.grads[0] == Partial()

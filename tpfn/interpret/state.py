@@ -23,7 +23,7 @@ specialized on them): there, sharded local tensors are even splits.
 Partial gradients: a replicated parameter used on sharded activations (a sequence-parallel
 norm, a per-head norm) gets a partial gradient. Left so, every optimizer op on it would
 all-reduce it again (Adam: three times per parameter per step). Such parameters are
-``watch``-ed by module and name, looked up afresh each time (what ``Module._apply``,
+``watch``-ed by each bound module's runtime, by module and name, looked up afresh each time (what ``Module._apply``,
 ``to_empty`` or ``load_state_dict(assign=True)`` puts in their place is watched too, frozen
 or not), and the bound modules' outputs are ``arm``-ed as a forward makes them (compiled
 code arms none: there the hook ``watch`` put on each parameter serves, until a swap drops
@@ -41,6 +41,7 @@ nothing and sums nothing.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import weakref
 
@@ -176,10 +177,10 @@ def _partial(grad) -> bool:
     return isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements)
 
 
-def _parameter(module_ref, name: str):
-    """The parameter ``name`` of the module ``module_ref`` refers to now, or None (the module
-    freed, or the parameter gone)."""
-    module = module_ref()
+def _parameter(ref, name: str):
+    """The parameter ``name`` of the module ``ref`` refers to now, or None (the module freed,
+    or the parameter gone)."""
+    module = ref()
     try:
         return None if module is None else parameter(module, name)
     except (AttributeError, KeyError):
@@ -207,23 +208,29 @@ def _accumulating(param, grads) -> None:
 
 
 class PartialGrads:
-    """One model's watched parameters: a backward that reaches one of its armed tensors sums
-    their partial gradients at its end (``_EndOfBackward``), waiting ``timeout`` seconds at most."""
+    """Watched parameters (a bound module's, or a model's): a backward that reaches one of its
+    armed tensors sums their partial gradients at its end (``_EndOfBackward``), waiting
+    ``timeout`` seconds at most. It holds its modules weakly; a deep copy of it, made with a
+    deep copy of its modules, watches the copies."""
 
     def __init__(self, timeout: float | None = None):
-        self.watched: list = []  # (lookup, fqn): lookup() is the parameter now, or None
+        self.watched: list = []  # (module's weak reference, name, fqn)
         self.timeout = timeout
+
+    def __deepcopy__(self, memo) -> "PartialGrads":
+        copied = memo[id(self)] = PartialGrads(self.timeout)
+        copied.watched = [(weakref.ref(copy.deepcopy(ref(), memo)), name, fqn)
+                          for ref, name, fqn in self.watched if ref() is not None]
+        return copied
 
     def watch(self, module, name: str, fqn: str | None = None) -> None:
         """Watch the parameter ``name`` (dotted) of ``module``, called ``fqn`` in the model,
-        whatever its ``requires_grad``. ``module`` is held weakly and the parameter looked up
-        afresh each time, so what replaces it (``Module._apply``, ``to_empty``,
-        ``load_state_dict(assign=True)``) is watched in its place. The parameter is armed too
-        if it requires grad (compiled code arms no output; a swap loses that hook)."""
-        lookup = functools.partial(_parameter, weakref.ref(module), name)
-        fqn = name if fqn is None else fqn
-        self.watched.append((lookup, fqn))
-        param = lookup()
+        whatever its ``requires_grad``, looked up afresh each time: what replaces it
+        (``Module._apply``, ``to_empty``, ``load_state_dict(assign=True)``) is watched in its
+        place. The parameter is armed too if it requires grad (compiled code arms no output; a
+        swap loses that hook)."""
+        self.watched.append((weakref.ref(module), name, name if fqn is None else fqn))
+        param = _parameter(self.watched[-1][0], name)
         if param is not None and param.requires_grad:
             param.register_hook(self._reached)
 
@@ -234,8 +241,8 @@ class PartialGrads:
 
     def params(self):
         """``(parameter, fqn)`` of every watched parameter there is now."""
-        for lookup, fqn in self.watched:
-            param = lookup()
+        for ref, name, fqn in self.watched:
+            param = _parameter(ref, name)
             if param is not None:
                 yield param, fqn
 
@@ -335,9 +342,10 @@ def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
 
 
 class State:
-    """What one ``parallelize`` call's modules share: shape memory, partial gradients, and the
-    ``Bound`` their collectives wait with (``tpfn.bounded``; None: their group's)."""
+    """What one ``parallelize`` call's modules share: shape memory, the ``Bound`` their
+    collectives wait with (``tpfn.bounded``; None: their group's), and the ``observer`` that
+    sees each bound module's slots (None: none; ``tpfn.explain`` sets one)."""
 
     def __init__(self, bound=None):
-        timeout = None if bound is None else bound.seconds
-        self.shapes, self.partial_grads, self.bound = Shapes(timeout=timeout), PartialGrads(timeout), bound
+        self.shapes = Shapes(timeout=None if bound is None else bound.seconds)
+        self.bound, self.observer = bound, None

@@ -1,11 +1,11 @@
 """Fast kernels: what a module kind's row may compute in place of the reference route, each in a
-file of its own that states its protocol at the top. ``KERNELS`` maps a row's ``Kernel.fast``
-name to the kernel; a kernel returns None for a call it cannot compute as the reference route
-does, and the interpreter takes that route."""
+file of its own that states its protocol at the top, registered by the name rows give it
+(``tpfn.interpret.parallelize.FAST``). A kernel computes a call as the reference route does, or
+returns None and that route computes it."""
 
+from tpfn.interpret.parallelize import FAST
 from tpfn.kernels import linear
-from tpfn.kernels.linear import Group
 
-__all__ = ["KERNELS", "Group"]
+__all__ = ["linear"]
 
-KERNELS = {"linear": linear.kernel}
+FAST["linear"] = linear.call

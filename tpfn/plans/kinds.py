@@ -3,9 +3,10 @@
 A row is a function of the core (``colwise(parts=2)``'s ``Core``), the module and the parameters the
 style governs; it returns a ``Meaning``: the built-in written as a composition of primitives
 (``params(...) >> on_shards(...)``), whether the module computes on local shards (its forward is the
-kind's own) or on DTensors in the same layouts, and the ``Kernel`` extras the primitives cannot say
-(a bias added once to partial sums, vocabulary masking, dropout noise, a forward on local shards
-where the kind's own reads global sizes, as ``nn.MultiheadAttention``'s reads ``num_heads``).
+kind's own) or on DTensors in the same layouts, and what the primitives cannot say (a bias added
+once to partial sums; a forward on local shards where the module's own alone does not give one
+device's numbers: a vocabulary's mask, dropout's slice of one device's noise, a random stream of
+each rank's, attention on each rank's heads, whose own forward reads the global ``num_heads``).
 Built-ins and ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 
 >>> import torch.nn as nn
@@ -16,6 +17,7 @@ replicate() >> params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Repli
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import attrs
@@ -23,42 +25,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpfn._torch import MIXING, DropoutNd, parameter
-
+from tpfn._torch import MIXING, DropoutNd, assert_async, parameter
+from tpfn._torch import per_rank as per_rank_value
+from tpfn.algebra import chunk_bounds
 from tpfn.layout import Partial, Replicate, Shard
+from tpfn.rng import sharded
 from tpfn.style.constructors import on_shards, params, per_rank, prepare_out, replicate
 from tpfn.style.style import Style
 
-__all__ = ["Kernel", "Meaning", "TABLE", "meaning", "Conv1D"]
+__all__ = ["Meaning", "TABLE", "meaning", "Conv1D", "own_stream", "vocab_parallel", "dropout_slice",
+           "attention_on_heads"]
 
 
 @attrs.frozen
-class Kernel:
-    """What a module computes on local tensors, in layouts.
+class Meaning:
+    """A built-in on one module: ``style``, the composition of primitives it is; ``local``: the
+    module computes on local shards (else on DTensors in the same layouts); and what the
+    primitives cannot say: ``bias_once``, a replicated bias (``True``: ``"bias"``, or its name)
+    added once to partial sums; ``forward(call, *inputs)``, the computation on local shards where
+    the module's own forward alone does not give it (``call.own(*inputs)`` runs that one;
+    ``tpfn.interpret.reference.Call``): a vocabulary's mask, dropout's slice of one device's noise,
+    a random stream of each rank's, attention on each rank's heads; ``shape(module, in_shape)``,
+    the global shape of the output from input 0's (None: kept where the output is laid out as
+    input 0, else recalled); ``fits(module, n)``, why ``n`` ranks cannot hold it (None: they can);
+    ``fast``, the name of a fast kernel (``tpfn.kernels``) that may compute it (None: none)."""
 
-    ``output``: the layout of its local output (``Partial()`` before a row-wise reduction; None:
-    handed on untouched); ``inputs``: per positional input, ``(desired, grad)``, the layout it
-    computes with and the layout of the gradient it computes for it (None: no gradient, e.g. token
-    ids); ``grads``: parameter name -> layout of its local gradient where that differs from the
-    parameter's own; ``bias_once``: a replicated bias added once to partial sums; ``vocab``: an
-    embedding sharded over its vocabulary (ids outside the rank's slice masked); ``random``: how its
-    random draws are made on shards, ``"fork"`` (each rank its own stream, ``tpfn.rng.sharded``) or
-    ``"slice"`` (an ``nn.Dropout`` applies its slice of the whole tensor's mask, as one device draws
-    it); ``shape``: the global shape of the output from that of input 0 (None: kept where the output
-    is laid out as input 0, else recalled); ``forward``: ``forward(module, mesh, where, *inputs)``,
-    the module's computation on local shards where the kind's own reads global sizes (None: the
-    module's own); ``fits``: ``fits(module, n)``, why ``n`` ranks cannot hold it (None: they can;
-    the layouts' own checks aside); ``fast``: the name of a fast kernel (``tpfn.kernels``) that
-    may compute it in place of the reference route (None: that route alone)."""
-
-    output: object
-    inputs: tuple = ()
-    grads: tuple = ()
+    style: Style
+    local: bool = True
     bias_once: bool | str = False
-    vocab: bool = False
-    random: object = None
-    shape: object = None
     forward: object = None
+    shape: object = None
     fits: object = None
     fast: str | None = None
 
@@ -67,30 +63,56 @@ class Kernel:
         """The name of the replicated bias added once to partial sums (None: none)."""
         return "bias" if self.bias_once is True else self.bias_once or None
 
-    def out_shape(self, module: nn.Module, in_shape):
-        """The global shape of the output for input 0 of global shape ``in_shape`` (None: unknown)."""
-        if in_shape is None:
-            return None
-        if self.shape is not None:
-            return self.shape(module, in_shape)
-        kept = self.inputs and self.inputs[0][0] == self.output  # per position: shape kept
-        return in_shape if kept else None
+
+def own_stream(call, *inputs, **kwargs):
+    """The module's own forward, drawing from a random stream of the rank's own (``tpfn.rng``): in
+    training from a seed drawn, so that every call draws anew; in eval mode keyed by the module,
+    the default stream left as one device's."""
+    rt = call.rt
+    with sharded(rt.mesh, None if rt.module.training else rt.stream):
+        return call.own(*inputs, **kwargs)
 
 
-@attrs.frozen
-class Meaning:
-    """A built-in on one module: ``style`` of primitives, ``local`` (computes on local shards,
-    else on DTensors), and the ``Kernel`` extras it needs beyond the primitives."""
+def vocab_parallel(call, ids, *inputs, **kwargs):
+    """An embedding on the rank's slice of the vocabulary, as DTensor computes it: the ids outside
+    it looked up as row 0 and their rows zeroed; an id outside the whole vocabulary raises on
+    every rank, as on one device."""
+    module, mesh = call.rt.module, call.rt.mesh
+    n = module.num_embeddings
+    assert_async(((ids >= 0) & (ids < n)).all(), f"input 0 of {call.rt.mount.where}: an id lies outside "
+                 f"the vocabulary [0, {n}) (index out of range in self)")
+    local, mask = _vocab_slice(ids, n, mesh.size(), mesh.get_coordinate()[0])
+    return call.own(local, *inputs, **kwargs).masked_fill(mask.unsqueeze(-1), 0)
 
-    style: Style
-    local: bool = True
-    bias_once: bool | str = False
-    vocab: bool = False
-    random: object = None
-    shape: object = None
-    forward: object = None
-    fits: object = None
-    fast: str | None = None
+
+@per_rank_value  # LocalTensorMode: each simulated rank its own slice
+def _vocab_slice(ids: torch.Tensor, n: int, k: int, rank: int):
+    offset, size = chunk_bounds(n, k, rank)
+    mask = (ids < offset) | (ids >= offset + size)
+    return (ids - offset).masked_fill(mask, 0), mask
+
+
+def dropout_slice(call, x):
+    """``nn.Dropout`` on shards: the rank's slice of the noise one device draws for the whole
+    tensor (the same draws from the default generator, in the order of the tensor's memory, so
+    the ranks stay in step), applied in place where the module is."""
+    module, mesh = call.rt.module, call.rt.mesh
+    if not (module.training and module.p > 0):
+        return x
+    shape, dim = call.shape(exact=True), call.rt.mount.shards.output.dim % x.ndim
+    # one device draws in the order of memory: outermost first, a dim of one inside a larger one of its stride
+    order = sorted(range(x.ndim), key=lambda d: (-x.stride(d), x.shape[d] == 1, d))
+    whole = torch.ones([shape[d] for d in order], dtype=x.dtype, device=x.device).permute(
+        [order.index(d) for d in range(x.ndim)])
+    noise = _noise_slice(F.dropout(whole, module.p, training=True), dim, x.shape[dim], mesh.size(),
+                         mesh.get_coordinate()[0])
+    return x.mul_(noise) if module.inplace else x * noise
+
+
+@per_rank_value  # LocalTensorMode: each simulated rank its own slice
+def _noise_slice(noise: torch.Tensor, dim: int, size: int, k: int, rank: int) -> torch.Tensor:
+    start, _ = chunk_bounds(noise.shape[dim], k, rank)
+    return noise.narrow(dim, start, size).clone()  # frees the rest of the noise
 
 
 class _Named(type):
@@ -211,9 +233,10 @@ def rowwise_embedding(core, module: nn.Embedding, where: str, owned: tuple):
     plain = module.padding_idx is None and not module.scale_grad_by_freq
     if core.parts != 1:  # each rank masks the ids outside one contiguous slice of the vocabulary
         return f"{core!r} at {where}: the vocabulary of an nn.Embedding is no packed parts; use rowwise()."
+    local = plain and _own_forward(module, nn.Embedding)
     return _no_renorm(core, module, where) or Meaning(
-        _primitives("rowwise_embedding", core.parts, False),
-        local=plain and _own_forward(module, nn.Embedding), vocab=True, shape=_embedding_shape)
+        _primitives("rowwise_embedding", core.parts, False), local=local,
+        forward=vocab_parallel if local else None, shape=_embedding_shape)
 
 
 def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
@@ -230,10 +253,10 @@ def sequence_parallel_any(core, module: nn.Module, where: str, owned: tuple):
                 f"so its parameters must be 1-D (norms, dropout), but {', '.join(big)} "
                 "is not; shard it with colwise() or rowwise().")
     seq = Shard(core.dim)
-    random = ("slice" if _own_forward(module, nn.Dropout)
-              else "fork" if isinstance(module, DropoutNd) else None)
+    forward = (dropout_slice if _own_forward(module, nn.Dropout)
+               else own_stream if isinstance(module, DropoutNd) else None)
     return Meaning(params(**dict.fromkeys(owned, Replicate()))
-                   >> on_shards(seq, output=seq, param_grads=dict.fromkeys(owned, Partial())), random=random)
+                   >> on_shards(seq, output=seq, param_grads=dict.fromkeys(owned, Partial())), forward=forward)
 
 
 def _attention_refusal(core, module: nn.MultiheadAttention, owned: tuple) -> str | None:
@@ -295,12 +318,13 @@ def _head_mask(mask, key_padding_mask, q, module, mesh, where: str):
     return mask
 
 
-def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, key, value,
-                       key_padding_mask=None, need_weights=True, attn_mask=None,
+def attention_on_heads(call, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                        average_attn_weights=True, is_causal=False):
     """``nn.MultiheadAttention.forward`` on this rank's heads: the local ``in_proj_weight``
-    (its slice of q, k and v, whole heads), scaled dot-product attention per head, and the
-    local columns of ``out_proj``, which leave a partial sum (its bias added once)."""
+    (its slice of q, k and v, whole heads), scaled dot-product attention per head (its dropout
+    on a random stream of the rank's own), and the local columns of ``out_proj``, which leave a
+    partial sum (its bias added once)."""
+    module, mesh, where = call.rt.module, call.rt.mesh, call.rt.mount.where
     if need_weights:
         raise ValueError(f"{where} computes on each rank's heads (colwise()), so need_weights=True would "
                          "return attention weights averaged over one rank's heads; call it with "
@@ -323,8 +347,9 @@ def attention_on_heads(module: nn.MultiheadAttention, mesh, where: str, query, k
     q, k, v = (x.unflatten(-1, (-1, module.head_dim)).transpose(1, 2) for x in (q, k, v))
     causal = is_causal and key_padding_mask is None
     mask = None if causal else _head_mask(attn_mask, key_padding_mask, q, module, mesh, where)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                       dropout_p=module.dropout if module.training else 0.0)
+    dropout = module.dropout if module.training else 0.0
+    with sharded(mesh) if dropout else contextlib.nullcontext():
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
     y = F.linear(y.transpose(1, 2).flatten(2), module.out_proj.weight, module.out_proj.bias)
     return (y if module.batch_first else y.transpose(0, 1)) if batched else y[0], None
 
@@ -340,8 +365,7 @@ def colwise_attention(core, module: nn.MultiheadAttention, where: str, owned: tu
              **({"in_proj_bias": qkv, "out_proj.bias": Replicate()} if bias else {})}
     return Meaning(params(**rules) >> on_shards(Replicate(), Replicate(), Replicate(), grads=Partial())
                    >> prepare_out(Replicate(), given=Partial()),
-                   bias_once="out_proj.bias" if bias else False, random="fork" if module.dropout else None,
-                   forward=attention_on_heads, fits=_attention_fits)
+                   bias_once="out_proj.bias" if bias else False, forward=attention_on_heads, fits=_attention_fits)
 
 
 # (built-in, module kind) -> its row; the first kind the module is an instance of applies.

@@ -27,7 +27,7 @@ import torch.nn as nn
 from tpfn._fqn import describe, near
 from tpfn.errors import PlanError
 from tpfn.layout import exact_in_torch
-from tpfn.plans.kinds import Kernel, Meaning, meaning
+from tpfn.plans.kinds import Meaning, meaning, own_stream
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs
 from tpfn.style.style import Style
@@ -37,32 +37,42 @@ __all__ = ["Mount", "mount", "try_mount", "problems", "forward_names", "owned", 
 
 @attrs.frozen
 class Mount:
-    """A style on one module: parameter placements, the folded ``inputs`` and ``outputs``
-    (their ``local`` decided), the ``kernel`` that computes on local shards (None: the
-    module computes on DTensors), ``forward``'s positional input ``names`` (for inputs passed
-    by keyword) and the ``owned`` parameters whose local shards the kernel hands the module:
-    its own and those of submodules no other rule binds, and the buffers its style places;
-    ``sizes``: the attributes that hold per-rank values in its forward (``(path, PerRank)``),
-    ``per_head``: the inputs laid out per head (``(name, heads)``), see ``per_rank``."""
+    """A style on one module, all ``parallelize`` mounts there: parameter placements, the folded
+    ``inputs`` and ``outputs`` (their ``local`` decided); ``shards``, the layouts the module
+    computes with on local shards (the style's ``on_shards`` stage; None: it computes on
+    DTensors) and ``row``, what its built-in's row says beyond them (``Meaning``; for an
+    ``on_shards`` style, a random stream of each rank's); ``forward``'s positional input
+    ``names`` (for inputs passed by keyword) and the ``owned`` parameters whose local shards the
+    module computes with: its own and those of submodules no other rule binds, and the buffers
+    its style places; ``sizes``: the attributes that hold per-rank values in its forward
+    (``(path, PerRank)``), ``per_head``: the inputs laid out per head (``(name, heads)``), see
+    ``per_rank``."""
 
     fqn: str
     style: Style
     params: tuple
     inputs: Inputs
     outputs: Outputs
-    kernel: Kernel | None = None
+    shards: OnShards | None = None
+    row: Meaning | None = None
     names: tuple = ()
     owned: tuple = ()
     where: str = "module"
     sizes: tuple = ()
     per_head: tuple = ()
 
+    def out_shape(self, module: nn.Module, in_shape):
+        """The global shape of its output on shards for input 0 of global shape ``in_shape`` (None: unknown)."""
+        if self.row.shape is not None:
+            return self.row.shape(module, in_shape)
+        return in_shape if self.shards.desired and self.shards.desired[0] == self.shards.output else None
+
     def __str__(self):
         """One line of what it mounts, for the ``tpfn`` logger."""
         slots = [*(f"input {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(self.inputs.slots) if not s.untouched),
                  *(f"output {i} {s.given!r} -> {s.out!r}" for i, s in enumerate(self.outputs.slots))]
         placed = ", ".join(f"{n} {p!r}" for n, p in self.params) or "no parameters"
-        how = "on local shards" if self.kernel is not None else "on DTensors"
+        how = "on local shards" if self.shards is not None else "on DTensors"
         return f"{self.where} {self.style!r}: {placed}; {'; '.join(slots) or 'no slots'}; computes {how}"
 
 
@@ -133,14 +143,12 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
     """The ``Mount`` of ``style`` on ``module``, or the list of problems that prevent it
     (``kinds``: the plan's own rows per module kind, ``Plan.kinds``)."""
     where, own = describe(module, fqn), owned(module, bound)
-    expanded, extras = style, {"random": "fork"}  # an on_shards style draws on shards
-    if isinstance(style.core, Core):  # a built-in: its row's primitives, and the row's extras
+    expanded, row = style, Meaning(style, forward=own_stream)  # an on_shards style draws on shards
+    if isinstance(style.core, Core):  # a built-in: its row's primitives and what the row says
         row = meaning(style.core, module, where, own, kinds)
         if isinstance(row, str):
             return [row]
         expanded = _expanded(style, style.core, row.style, row.local)
-        extras = {a.name: getattr(row, a.name) for a in attrs.fields(Meaning)  # the Kernel extras
-                  if a.name not in ("style", "local")}
     found: list = []
     n = expanded.normal
     names_here = own if not bound else [name for name, _ in module.named_parameters()]
@@ -158,7 +166,7 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
         for name, _ in module.named_parameters(recurse=False):
             placements.setdefault(name, n.rest)
 
-    inputs, kernel = n.inputs, None
+    inputs, shards = n.inputs, None
     if isinstance(n.core, OnShards):
         for name, _ in n.core.param_grads:
             if name not in names_here:
@@ -166,13 +174,12 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
                              f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
         inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.desired), "input"),
                         inputs.kwargs, True, inputs.arity)
-        kernel = Kernel(n.core.output, tuple(zip(n.core.desired, n.core.grads)), n.core.param_grads,
-                        **extras)
+        shards = n.core
     default_out = n.core.default_local if n.core is not None else True
     outputs = attrs.evolve(n.outputs, local=default_out if n.outputs.local is None else n.outputs.local)
     inputs = attrs.evolve(inputs, local=bool(inputs.local))
 
-    found.extend(_beyond_dtensor(style, where, placements, kernel, inputs, outputs))
+    found.extend(_beyond_dtensor(style, where, placements, shards, inputs, outputs))
     names, named, star = forward_names(module)
     touched = [i for i, s in enumerate(inputs.slots) if not s.untouched]
     if touched and not star and touched[-1] >= len(names):
@@ -188,8 +195,9 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
     if found:
         return found
     placed_buffers = tuple(name for name in placements if name in buffers)
-    return Mount(fqn, style, tuple(sorted(placements.items())), inputs, outputs, kernel, names,
-                 own + placed_buffers if kernel is not None else (), where, n.sizes, n.per_head)
+    return Mount(fqn, style, tuple(sorted(placements.items())), inputs, outputs, shards,
+                 row if shards is not None else None, names, own + placed_buffers if shards is not None else (),
+                 where, n.sizes, n.per_head)
 
 
 def _held(module: nn.Module, path: str):
@@ -230,13 +238,13 @@ def local_sizes(mount: Mount, module: nn.Module, n: int) -> tuple:
     return tuple(values), found
 
 
-def _beyond_dtensor(style: Style, where: str, placements: dict, kernel, inputs, outputs) -> list:
+def _beyond_dtensor(style: Style, where: str, placements: dict, shards, inputs, outputs) -> list:
     """Where DTensor would meet a layout it has no placement for (unequal parts, replicated
     heads): a module that computes on DTensors, a slot that moves a tensor into or out of
     one, an output handed on as a DTensor."""
     odd = sorted(n for n, p in placements.items() if not exact_in_torch(p))
     found = []
-    if odd and kernel is None:
+    if odd and shards is None:
         found.append(f"{style!r} at {where}: {', '.join(map(repr, odd))} {'is' if len(odd) == 1 else 'are'} "
                      f"laid out {placements[odd[0]]!r}, which DTensor has no placement for, but the module "
                      "computes on DTensors (its forward is not the kind's own); shard it with "

@@ -131,7 +131,7 @@ def _unrunnable(modules: dict, bound) -> list:
                          "module); run one forward with a real batch first, so that they have their "
                          "shapes, then parallelize.")
         base = next((k for k in (nn.Linear, nn.Embedding) if isinstance(sub, k)), None)
-        own = base is not None and m.params and m.kernel is None and type(sub).forward is not base.forward
+        own = base is not None and m.params and m.shards is None and type(sub).forward is not base.forward
         computing = [n for n, c in sub.named_children() if any(True for _ in c.parameters())
                      and all(b.fqn != join(m.fqn, n) for b in bound)] if own else []
         if computing:  # its own forward on DTensors, its adapters' plain weights
@@ -191,7 +191,7 @@ def _hooks_on_partial_sums(modules: dict, bound, n: int | None) -> list:
     found = []
     for m in bound:
         placed = dict(m.params)
-        for name, layout in (m.kernel.grads if m.kernel else ()):
+        for name, layout in (m.shards.param_grads if m.shards else ()):
             heads = getattr(placed.get(name), "heads", None)
             if heads is not None and n is not None and heads % n == 0:
                 continue  # the ranks divide the heads: each holds whole ones, whole gradients
