@@ -188,11 +188,12 @@ def descriptions(draw) -> dict:
     d["observers"] = tuple(draw(st.lists(observer, max_size=3, unique=True)))
     d["loss"] = draw(st.one_of(st.just(("backward",)), st.just(("grad", "input")),
                                st.tuples(st.just("grad"), st.sampled_from(linears))))
-    # Reentrant checkpointing runs the first forward without gradients: on one device q receives
-    # the block's own tensor, which requires grad, so a pre-hook's tensor hook or retain_grad on
-    # it is registered there; under sequence parallelism q receives the gathered sequence, made
-    # without gradients then, as under native TP. What q receives differs by design there.
-    assume(not (d["sp"] and d["checkpoint"] == "reentrant"
+    # Under sequence parallelism q receives the gathered sequence, a tensor its parent's slot
+    # makes at every call, where one device's q receives the checkpointed function's own input.
+    # So under checkpointing a pre-hook's tensor hook or retain_grad on what q receives is put on
+    # a tensor made without gradients (reentrant: the first forward) or recomputed (non-reentrant:
+    # a tensor the backward does not read), as under native TP: what q receives differs by design.
+    assume(not (d["sp"] and d["checkpoint"] is not None
                 and any(kind in ("input hook", "retain_grad") for kind, _ in d["observers"])))
     return d
 

@@ -92,11 +92,12 @@ def hooked(module: nn.Module) -> bool:
     pre-hook, forward hook, backward hook or backward pre-hook, its own or a global one), which
     could keep them or read a partial sum; those that only observe (``pre_hooked``'s) aside."""
     m = nn.modules.module
-    hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
-             *module._backward_hooks.values(), *module._backward_pre_hooks.values(),
-             *m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values(),
-             *m._global_backward_hooks.values(), *m._global_backward_pre_hooks.values())
-    return any(_user(hook) for hook in hooks)
+    for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+                  module._backward_pre_hooks, m._global_forward_pre_hooks, m._global_forward_hooks,
+                  m._global_backward_hooks, m._global_backward_pre_hooks):
+        if hooks and any(map(_user, hooks.values())):
+            return True
+    return False
 
 
 def tensor_observed(t: torch.Tensor) -> bool:

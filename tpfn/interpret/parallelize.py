@@ -77,7 +77,7 @@ class Runtime:
         self.grads = tuple(  # the layout of each input's gradient: as it computes, else the cotangent
             shards.grads[i] if shards is not None and i < len(shards.desired) and shards.desired[i] is not None
             else None if s.untouched else cotangent(s.out)[0] for i, s in enumerate(mount.inputs.slots))
-        self.slots = param_slots(module, mount.owned) if shards is not None else ()
+        self.slots = param_slots(module, mount) if shards is not None else ()
         self.placed = tuple(_placed(module, mount.fqn, name, layout) for name, layout in mount.params
                             if isinstance(placed_tensor(module, name), DTensor))
         self.seen = [None] * len(self.placed)  # the tensors found laid out as placed
@@ -88,11 +88,9 @@ class Runtime:
         self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
         self.stream = f"{next(_STREAMS)}:{mount.fqn}"  # its own random stream's key, the same run to run
         self.readers = ()  # its children whose fast kernels read its local replicas (parallelize sets them)
-
-    @property
-    def observer(self):
-        """What sees this module's slots (``State.observer``; None: nothing)."""
-        return self.state.observer
+        first = mount.inputs.slots[0] if mount.inputs.slots else None  # a fast kernel's input: a replica whose
+        self.reads = fast is not None and first is not None and first.grad is None and mount.inputs.arity in (
+            None, 1) and first.source == first.out == Replicate() and self.grads[0] == Partial()  # gradient is partial
 
     def move(self, src, dst, grad, shape: tuple, dtype, to=None) -> Move:
         """The ``Move`` of a local tensor of global ``shape`` and ``dtype`` (``tpfn.interpret.moves``), made once."""
@@ -108,8 +106,8 @@ class Runtime:
             if (refused := unsupported_mode()) is not None:
                 raise RuntimeError(f"{self.mount.where}: {refused}")
             self._check()
-        if self.observer is not None:
-            self.observer.inputs(self, args, kwargs)
+        if self.state.observer is not None:
+            self.state.observer.inputs(self, args, kwargs)
         depth = 0 if compiling else getattr(_CALLS, "depth", 0)
         call, held = Call(self, args, kwargs), []
         try:
@@ -329,7 +327,7 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
     for m in bound:  # a parent's local replica, read by its children's fast kernels
         parent = runtime(modules[m.fqn.rpartition(".")[0]]) if m.fqn else None
         if parent is not None and parent.mount.shards is None and parent.mount.inputs.local \
-                and _reads_replica(runtime(modules[m.fqn])):
+                and runtime(modules[m.fqn]).reads:
             parent.readers += (modules[m.fqn],)
     for fqn, problem in tied_outside(modules, bound).items():
         modules[fqn].register_forward_pre_hook(functools.partial(_refused, problem))
@@ -380,13 +378,3 @@ def _no_fused_paths(module: nn.Module) -> None:
                 sub.use_nested_tensor = False
             elif not has_pre_hook(sub, _observes):
                 sub.register_forward_pre_hook(_observes)
-
-
-def _reads_replica(rt: Runtime) -> bool:
-    """Whether ``rt``'s fast kernel may hand its partial input gradient to the node of a local
-    replica it reads as it is: one input, a replica left so, its gradient a partial sum."""
-    slots = rt.mount.inputs.slots
-    if rt.fast is None or not slots or rt.mount.inputs.arity not in (None, 1):
-        return False
-    first = slots[0]
-    return first.grad is None and first.source == Replicate() and first.out == Replicate() and rt.grads[0] == Partial()

@@ -127,7 +127,7 @@ class _Alone:
     """What the reference route reads of a runtime, for a conversion outside any bound module:
     no module, no kernels, a fresh shape memory."""
 
-    observer, grads, readers = None, (), ()
+    grads, readers = (), ()
 
     def __init__(self, mesh: DeviceMesh, names: tuple, where: str):
         self.mesh, self.cache = mesh, {}

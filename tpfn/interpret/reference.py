@@ -12,7 +12,7 @@ always this route).
 2. The module's computation: on local shards (``Mount.shards``), its own forward, or the forward
    its row supplies (a vocabulary's mask, dropout's slice of one device's noise, a random stream
    of each rank's, attention on each rank's heads: ``tpfn.plans.kinds``), while its parameters are
-   local views of their shards (``views``; put back whatever happens); else its own forward on
+   local views of their shards (``_views``; put back whatever happens); else its own forward on
    DTensors, whose collectives DTensor issues.
 3. Each output through its slot (``Call.finish``).
 
@@ -23,6 +23,7 @@ model's shape memory, or from the ranks' local shapes (``tpfn.interpret.state``)
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,6 +38,12 @@ from tpfn.layout import Partial, Replicate, Shard, exact_in_torch, from_torch
 __all__ = ["Call", "reference", "inputs", "outputs", "convert", "param_slots"]
 
 _WHOLE, _PARTIAL = Replicate(), Partial()
+_cotangents = functools.lru_cache(maxsize=256)(lambda layout: cotangent(layout)[0])  # (values alone)
+
+
+def _cotangent(layout):
+    """The layout of the gradient of a tensor laid out ``layout`` (remembered but in compiled code)."""
+    return cotangent(layout)[0] if torch.compiler.is_compiling() else _cotangents(layout)
 
 
 class Call:
@@ -77,7 +84,7 @@ class Call:
     def finish(self, output, shape=None):
         """The module's ``output`` through its output slots (``shape``: input 0's global shape)."""
         rt = self.rt
-        mount, observer = rt.mount, rt.observer
+        mount, observer = rt.mount, rt.state.observer
         if observer is not None:
             observer.outputs(rt, output)
         shards = mount.shards
@@ -90,7 +97,7 @@ class Call:
                 f"{mount.style!r} declares one output laid out {slot.given!r}; return one "
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         out_shape = None if shape is None else mount.out_shape(rt.module, shape)
-        return convert(output, slot, rt, local=mount.outputs.local, grad=cotangent(slot.out)[0],
+        return convert(output, slot, rt, local=mount.outputs.local, grad=_cotangent(slot.out),
                        what=f"the output of {mount.where}", shape=out_shape)
 
 
@@ -100,56 +107,55 @@ def reference(call: Call):
     mount = rt.mount
     if mount.shards is None:  # on DTensors: moved by DTensor, whose collectives wait with the bound
         args, kwargs = inputs(call.args, call.kwargs, mount.inputs, rt, mount.where)
-        if rt.observer is not None:
-            rt.observer.computes(rt, args, kwargs)
+        if rt.state.observer is not None:
+            rt.state.observer.computes(rt, args, kwargs)
         with contextlib.nullcontext() if torch.compiler.is_compiling() else rt.state.bound.issuing():
             return call.finish(rt.forward(*args, **kwargs))
     shape = call.shape()
     args, kwargs = inputs(call.args, call.kwargs, mount.inputs, rt, mount.where, shape)
-    if rt.observer is not None:
-        rt.observer.computes(rt, args, kwargs)
-    forward = mount.row.forward
-    with views(rt, shape):
+    if rt.state.observer is not None:
+        rt.state.observer.computes(rt, args, kwargs)
+    forward, saved = mount.row.forward, []
+    try:  # on local views of its parameters' shards, the DTensor parameters put back whatever happens
+        _views(rt, saved)
         output = rt.forward(*args, **kwargs) if forward is None else forward(call, *args, **kwargs)
+    finally:
+        for table, name, param in reversed(saved):
+            table[name] = param
     return call.finish(output, shape)
 
 
-def param_slots(module: torch.nn.Module, owned: tuple) -> tuple:
-    """``(table, name, full name)`` of every slot holding one of the ``owned`` parameters (or
-    placed buffers) of ``module`` and its submodules, ``table`` the owner's ``_parameters`` or
-    ``_buffers``; a tied parameter's slots under its first name."""
+def param_slots(module: torch.nn.Module, mount) -> tuple:
+    """``(table, name, full name, gradient layout, added once)`` of every slot holding one of the
+    parameters (or placed buffers) ``mount`` hands ``module`` as local shards (``Mount.owned``),
+    ``table`` the owner's ``_parameters`` or ``_buffers``; a tied parameter's slots under its
+    first name; ``added once``: a replicated bias added once to partial sums (``Meaning.once``)."""
     names = {id(p): n for n, p in (*module.named_parameters(), *module.named_buffers())}
-    owned = set(owned)
-    return tuple((table, name, names[id(p)])
+    owned, grads = set(mount.owned), dict(mount.shards.param_grads)
+    return tuple((table, name, names[id(p)], grads.get(names[id(p)]), names[id(p)] == mount.row.once)
                  for _, owner in module.named_modules(remove_duplicate=False)
                  for table in (parameters_of(owner), buffers_of(owner))
                  for name, p in table.items()
                  if p is not None and id(p) in names and names[id(p)] in owned)
 
 
-@contextlib.contextmanager
-def views(rt, shape):
-    """Inside, the module's DTensor parameters (and placed buffers) are local views of their
-    shards (a tied one, one view), their gradients laid out as the mount says; a replicated bias
-    added once to partial sums is this rank's term of it (``Meaning.once``)."""
-    grads, once, made, saved = dict(rt.mount.shards.param_grads), rt.mount.row.once, {}, []
-    try:
-        for table, name, full in rt.slots:
-            param = table[name]
-            if not isinstance(param, DTensor):
-                continue
-            local = made.get(id(param))
-            if local is None:
-                local = made[id(param)] = view(param, grads.get(full), rt.cache)
-                if full == once and rt.mesh.size() > 1:  # one term of a sum over the ranks, its gradient whole
-                    local = made[id(param)] = move(local, _WHOLE, _PARTIAL, _WHOLE, tuple(param.shape),
-                                                   f"{full} of {rt.mount.where}", rt, to=_WHOLE)
-            saved.append((table, name, param))
-            table[name] = local
-        yield
-    finally:
-        for table, name, param in reversed(saved):
-            table[name] = param
+def _views(rt, saved: list) -> None:
+    """Put local views of the module's DTensor parameters (and placed buffers) in their slots
+    (a tied one, one view), noting in ``saved`` what to put back; a replicated bias added once to
+    partial sums becomes this rank's term of it."""
+    made = {}
+    for table, name, full, grad, once in rt.slots:
+        param = table[name]
+        if not isinstance(param, DTensor):
+            continue
+        local = made.get(id(param))
+        if local is None:
+            local = made[id(param)] = view(param, grad, rt.cache)
+            if once and rt.mesh.size() > 1:  # one term of a sum over the ranks, its gradient whole
+                local = made[id(param)] = move(local, _WHOLE, _PARTIAL, _WHOLE, tuple(param.shape),
+                                               f"{full} of {rt.mount.where}", rt, to=_WHOLE)
+        saved.append((table, name, param))
+        table[name] = local
 
 
 def global_shape(x, slot, rt, what: str, exact: bool = False) -> tuple:
@@ -272,7 +278,7 @@ def inputs(args: tuple, kwargs: dict, spec, rt, where: str, first_shape=None) ->
         return out
 
     for i, slot in enumerate(spec.slots):
-        grad = grads[i] if i < len(grads) else None if slot.untouched else cotangent(slot.out)[0]
+        grad = grads[i] if i < len(grads) else None if slot.untouched else _cotangent(slot.out)
         shape = first_shape if i == 0 else None
         if i < len(args):
             args[i] = one(args[i], slot, grad, f"input {i} of {where}", shape)
@@ -281,9 +287,9 @@ def inputs(args: tuple, kwargs: dict, spec, rt, where: str, first_shape=None) ->
     for name, slot in spec.kwargs:
         i = names.index(name) if name in names else len(args)
         if name in kwargs:
-            kwargs[name] = one(kwargs[name], slot, cotangent(slot.out)[0], f"keyword input {name!r} of {where}")
+            kwargs[name] = one(kwargs[name], slot, _cotangent(slot.out), f"keyword input {name!r} of {where}")
         elif i < len(args) and (i >= len(spec.slots) or spec.slots[i].untouched):  # passed by position
-            args[i] = one(args[i], slot, cotangent(slot.out)[0],
+            args[i] = one(args[i], slot, _cotangent(slot.out),
                           f"keyword input {name!r} of {where} (passed as input {i})")
     for name, heads in rt.mount.per_head:  # the rows of its heads, whole on every rank
         i = names.index(name) if name in names else len(args)
@@ -313,7 +319,7 @@ def outputs(output, spec, rt, where: str):
     local = True if spec.local is None else spec.local
 
     def one(x, slot, what):
-        return convert(x, slot, rt, local=local, grad=cotangent(slot.out)[0], what=what)
+        return convert(x, slot, rt, local=local, grad=_cotangent(slot.out), what=what)
 
     def check(n):
         if len(spec.slots) > n:

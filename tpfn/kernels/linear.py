@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import hooked, local_tensor, tensor_observed, will_run
+from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, will_run
 from tpfn.interpret.moves import Moved, first_order, grad_spec
 from tpfn.layout import Partial, Replicate
 
@@ -121,7 +121,7 @@ def call(c):
     """The call ``c`` (``tpfn.interpret.reference.Call``) of a bound ``nn.Linear``, computed by
     ``linear`` and handed through its output slots; None where the reference route computes it."""
     rt = c.rt
-    mount, module, mesh = rt.mount, rt.module, rt.mesh
+    mount, module = rt.mount, rt.module
     x, weight, bias = (c.args[0] if len(c.args) == 1 and not c.kwargs else None), module.weight, module.bias
     slot = mount.inputs.slots[0] if mount.inputs.slots else None
     if type(x) is not torch.Tensor or slot is None or slot.untouched or torch.compiler.is_compiling() \
@@ -133,15 +133,27 @@ def call(c):
     move = rt.move(slot.source, slot.out, grad, shape, x.dtype, to=slot.grad)
     if move.steps and move.dst != _WHOLE:
         return None
-    grads = dict(mount.shards.param_grads)
-    specs = tuple(None if p is None else grad_spec(p, grads.get(name), rt.cache)
-                  for name, p in (("weight", weight), ("bias", bias)))
-    share = mesh.size() if mount.row.once == "bias" and bias is not None else 1
-    hand = slot.grad is None and slot.source == _WHOLE and grad == _PARTIAL and not hooked(module)
-    keep = [] if rt.observer is not None else None
-    out = linear(x, weight, bias, move, specs, share=share, overlap=rt.overlap, hand=hand,
-                 what=f"input 0 of {mount.where}", keep=keep)
-    if keep is not None:
+    specs, share, what = _specs(rt, weight, bias)
+    hand = rt.reads and grad is not None and not hooked(module)
+    observer = rt.state.observer
+    keep = [] if observer is not None else None
+    out = linear(x, weight, bias, move, specs, share=share, overlap=rt.overlap, hand=hand, what=what, keep=keep)
+    if observer is not None:
         node = out.grad_fn.next_functions[0][0] if out.grad_fn is not None else None
-        rt.observer.computes(rt, (keep[0],), {}, (node,))
+        observer.computes(rt, (keep[0],), {}, (node,))
     return c.finish(out, shape)
+
+
+def _specs(rt, weight, bias) -> tuple:
+    """``((the weight's gradient spec, the bias's), the bias's share, input 0's name)``, made once
+    per parameters' specs."""
+    key = ("linear", spec_of(weight), None if bias is None else spec_of(bias))
+    found = rt.cache.get(key)
+    if found is None:
+        mount, n = rt.mount, rt.mesh.size()
+        grads = dict(mount.shards.param_grads)
+        specs = tuple(None if p is None else grad_spec(p, grads.get(name), rt.cache)
+                      for name, p in (("weight", weight), ("bias", bias)))
+        share = n if mount.row.once == "bias" and bias is not None else 1
+        found = rt.cache[key] = (specs, share, f"input 0 of {mount.where}")
+    return found
