@@ -71,7 +71,8 @@ class Runtime:
     are partial sums until the end of the backward."""
 
     def __init__(self, mount: Mount, mesh, state: State, module: nn.Module, overlap: bool = True, fast=None):
-        self.mount, self.mesh, self.state, self.module, self.overlap, self.fast = mount, mesh, state, module, overlap, fast
+        self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
+        self.overlap, self.fast = overlap, fast
         self.forward, self.cache = module.forward, {}
         shards = mount.shards
         self.grads = tuple(  # the layout of each input's gradient: as it computes, else the cotangent

@@ -1,7 +1,7 @@
 """What a parallelized model remembers: global shapes of local tensors, partial gradients.
 
 ``parallelize`` makes one ``State`` per call; every module it mounts shares it, and nothing
-of it is shared with another model, mesh or process group.
+of it is shared with another model, mesh or process group (a deep copy of the model copies it).
 
 Global shapes: seven positions on two ranks are 4 and 3, and from its local 4 alone rank 0
 cannot tell 7 from 8. Every sharded local tensor that leaves a slot is remembered, by
@@ -23,9 +23,10 @@ specialized on them): there, sharded local tensors are even splits.
 Partial gradients: a replicated parameter used on sharded activations (a sequence-parallel
 norm, a per-head norm) gets a partial gradient. Left so, every optimizer op on it would
 all-reduce it again (Adam: three times per parameter per step). Such parameters are
-``watch``-ed by each bound module's runtime, by module and name, looked up afresh each time (what ``Module._apply``,
-``to_empty`` or ``load_state_dict(assign=True)`` puts in their place is watched too, frozen
-or not), and the bound modules' outputs are ``arm``-ed as a forward makes them (compiled
+``watch``-ed by their bound module's runtime (``PartialGrads``), by module and name, looked up
+afresh each time (what ``Module._apply``, ``to_empty`` or ``load_state_dict(assign=True)``
+puts in their place is watched too, frozen or not), and the bound modules' outputs are
+``arm``-ed as a forward makes them (compiled
 code arms none: there the hook ``watch`` put on each parameter serves, until a swap drops
 it). A backward that reaches an armed output sums, at its end, every watched partial
 gradient of every model it reached: one all-reduce of one flat buffer per process group,
