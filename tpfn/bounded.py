@@ -506,7 +506,7 @@ def run(step, x: torch.Tensor, mesh, shape: tuple, bound: Bound, wait: bool = Tr
         if out is not None:
             return out
     plain = RUN.get(type(step))
-    if plain is not None and _plain(x):
+    if plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
         out = plain(step, x, mesh, shape, bound, wait)
         if out is not None:
             return out

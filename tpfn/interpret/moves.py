@@ -80,12 +80,12 @@ class Move:
     ``what`` it moves. ``tree``: partial sums are summed by the canonical tree (invariant mode,
     ``tpfn.tree``), each rank's local tensor the root of its subtree."""
 
-    __slots__ = ("src", "dst", "grad", "mesh", "shape", "bound", "steps", "back", "tree")
+    __slots__ = ("src", "dst", "grad", "mesh", "shape", "bound", "steps", "back", "tree", "ranks")
 
     def __init__(self, src, dst, grad, mesh, shape: tuple, bound, to=None, tree: bool = False):
         self.src, self.dst, self.grad, self.mesh, self.shape, self.bound = src, dst, grad, mesh, shape, bound
-        self.steps, self.back = program(src, dst, grad, len(shape), to) if mesh.size() > 1 else ((), ())
-        self.tree = tree
+        self.ranks, self.tree = mesh.size(), tree
+        self.steps, self.back = program(src, dst, grad, len(shape), to) if self.ranks > 1 else ((), ())
 
     def run(self, x: torch.Tensor, what: str, steps=None, wait: bool = True):
         """``x`` moved by ``steps`` (by default the forward's), a new tensor; ``wait=False``: a
@@ -140,7 +140,7 @@ class _Move(torch.autograd.Function):
         if handed is not None:  # partial sums a fast kernel handed over: reduced once, with the rest
             if isinstance(handed, list):  # invariant mode: this rank's leaves, one sum per leaf
                 handed = total(handed)
-            back = program(move.src, move.dst, _PARTIAL, len(move.shape))[1] if move.mesh.size() > 1 else ()
+            back = program(move.src, move.dst, _PARTIAL, len(move.shape))[1] if move.ranks > 1 else ()
             part = move.run(handed, f"the gradient of {ctx.what}", back) if back else handed
             grad = part if grad is None else grad + part
         return grad, None, None, None
@@ -192,7 +192,7 @@ def move(x: torch.Tensor, src, dst, grad, shape: tuple, what: str, rt, *, to=Non
     m = rt.move(src, dst, grad, tuple(shape), x.dtype, to)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return m.run(x, what) if m.steps else x
-    if not (m.steps or m.back or node and m.grad is not None and (m.mesh.size() > 1 or m.tree)):
+    if not (m.steps or m.back or node and m.grad is not None and (m.ranks > 1 or m.tree)):
         return x  # (in invariant mode one rank too sums its readers' leaves on the replica's node)
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).

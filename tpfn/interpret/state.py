@@ -357,7 +357,7 @@ def _reduce(params: list, placements: tuple, timeout: float | None, tree: bool =
     pieces = flat.split([local_tensor(g).numel() for g in grads])
     for (param, _), grad, piece in zip(params, grads, pieces):
         spec = DTensorSpec(mesh, replicated, tensor_meta=spec_of(grad).tensor_meta)
-        old, local = (aside or {}).pop(id(param), None), piece.view(local_tensor(grad).shape)
+        old, local = aside.pop(id(param), None) if tree else None, piece.view(local_tensor(grad).shape)
         param.grad = DTensor(local if old is None else local_tensor(old) + local, spec, requires_grad=False)
 
 
