@@ -125,7 +125,8 @@ def _gqa(tp):
 
 CASES = {"reference": _reference(False), "reference, sp": _reference(True), "llama": _llama(False),
          "llama, sp": _llama(True), "kv heads replicated": _gqa,
-         "observed": _reference(False, loss_parallel=False, observed=True)}
+         "observed": _reference(False, loss_parallel=False, observed=True),
+         "reference, sp, two backwards a step": _reference(True)}
 
 
 def _full(t):
@@ -144,9 +145,10 @@ def _train(name: str, invariant: bool = True) -> dict:
         seen = {}
         for step in range(3):
             opt.zero_grad()
-            out = model(*inputs)
-            loss = loss_of(out)
-            loss.backward()
+            for _ in range(2 if "two backwards" in name else 1):  # gradients accumulated onto summed ones
+                out = model(*inputs)
+                loss = loss_of(out)
+                loss.backward()
             if step == 0:
                 seen["output"] = _full(getattr(out, "logits", out)).detach().clone()
                 seen.update({f"{n}.grad": _full(p.grad).clone() for n, p in model.named_parameters()})
