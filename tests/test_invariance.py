@@ -243,3 +243,15 @@ def test_what_it_cannot_order_at_run_time_raises_on_every_rank(ranks2):
             "'0' (Linear): invariant mode computes this linear by its kernel, in the canonical order, which takes "
             "a local tensor, and got a DTensor, whose gradient DTensor would sum; hand it a local tensor "
             "(local=True on the style that makes it: prepare_in(..., local=True))."]
+
+
+def test_replicated_kv_heads_are_named_for_what_the_model_must_do():
+    from tests.test_kv_heads import GQA, PLAN
+
+    with pytest.warns(UserWarning) as seen:
+        tpfn.parallelize(GQA(), fake_mesh(4), PLAN, src_rank=None, invariant=True)
+    assert [str(w.message) for w in seen] == [
+        "invariant mode: 'k_proj', 'v_proj' replicate key and value heads over 2 ranks each, and tpfn sums a "
+        "head's gradient over them at the projection's output, which gives one rank's bits only where the model "
+        "repeats the heads right after projecting them (values; keys with no rotary embedding between); use at "
+        "most 2 ranks for one rank's bits in every model (docs/invariance.md)."]

@@ -16,7 +16,10 @@ every degree, one rank included. Where the sums are:
   rows, or its columns): any order adds them exactly.
 
 What computes sums tpfn cannot order (a module's own forward on partial sums, DTensor's ops) is
-refused by name before anything changes (``problems``).
+refused by name before anything changes (``problems``). Key and value heads replicated over two
+ranks give one rank's bits only where the model repeats them right after projecting them: the
+model sums its query heads' gradients of a head where it repeats it, tpfn at the projection's
+output (``caveats`` names them).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tpfn._fqn import generalize
 from tpfn.errors import LayoutError
 from tpfn.layout import Partial, Shard
 from tpfn.tree import fits, total
 
-__all__ = ["problems", "sums_positions", "by_tokens"]
+__all__ = ["problems", "caveats", "sums_positions", "by_tokens"]
 
 
 def problems(modules: dict, mounts: tuple, n: int, chunks: int) -> list:
@@ -44,6 +48,20 @@ def problems(modules: dict, mounts: tuple, n: int, chunks: int) -> list:
         if problem is not None:
             found.append(f"{m.style!r} at {m.where}: invariant mode {problem}")
     return found
+
+
+def caveats(mounts: tuple, n: int) -> list:
+    """What invariant mode gives one rank's bits for only where the model does its part: the
+    projections whose key and value heads ``n`` ranks replicate (one line; empty: none)."""
+    replicated = [m for m in mounts if any(isinstance(p, Shard) and p.copies(n) > 1 for _, p in m.params)]
+    if not replicated:
+        return []
+    names = list(dict.fromkeys(repr(generalize(m.fqn)) for m in replicated))
+    heads = min(p.heads for m in replicated for _, p in m.params if isinstance(p, Shard) and p.heads)
+    return [f"invariant mode: {', '.join(names)} replicate key and value heads over {n // heads} ranks each, and tpfn "
+            "sums a head's gradient over them at the projection's output, which gives one rank's bits only where the "
+            "model repeats the heads right after projecting them (values; keys with no rotary embedding between); "
+            f"use at most {heads} ranks for one rank's bits in every model (docs/invariance.md)."]
 
 
 def sums_positions(mount) -> bool:

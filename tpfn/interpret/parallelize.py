@@ -37,7 +37,7 @@ from tpfn._torch import (CONTROL_FLOW, buffers_of, current_mesh, has_pre_hook, m
 from tpfn.algebra import cotangent, unpackable
 from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
-from tpfn.interpret.invariant import problems, sums_positions
+from tpfn.interpret.invariant import caveats, problems, sums_positions
 from tpfn.interpret.moves import Move
 from tpfn.interpret.prepare import local_value, placed_tensor, shard_params
 from tpfn.interpret.reference import Call, param_slots, reference
@@ -354,6 +354,8 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             parent.readers += (modules[m.fqn],)
     for fqn, problem in tied_outside(modules, bound).items():
         modules[fqn].register_forward_pre_hook(functools.partial(_refused, problem))
+    for caveat in caveats(bound, mesh.size()) if state.tree is not None else ():
+        warnings.warn(caveat, stacklevel=3)
     _no_fused_paths(module)
     return module
 
