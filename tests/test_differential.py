@@ -198,6 +198,12 @@ def descriptions(draw) -> dict:
     assume(not (d["sp"] and d["checkpoint"] is not None
                 and any(kind in ("input hook", "retain_grad") for kind, _ in d["observers"])))
     assume(not (d["sp"] and d["checkpoint"] == "reentrant" and d["loss"][0] == "grad" and d["loss"][1] != "input"))
+    # torch 2.13 crashes (a segmentation fault) registering a hook on a view of a tensor that
+    # requires grad changed in place under no_grad: one device's own nn.Linear output (3-D, with a
+    # bias), computed in a worker thread (gradients on) in reentrant checkpointing's first forward
+    # (gradients off), then changed in place, then hooked by the next linear's pre-hook.
+    assume(not (d["thread"] and d["checkpoint"] == "reentrant" and d["variant"] in ("relu in place", "q in place")
+                and any(kind in ("input hook", "retain_grad") for kind, _ in d["observers"])))
     return d
 
 
