@@ -500,7 +500,7 @@ __all__ += [
     "all_to_all_into", "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode",
-    "batched", "CONTROL_FLOW"]
+    "batched", "CONTROL_FLOW", "unsafe_view"]
 
 
 _DDP_CLASS = nn.parallel.DistributedDataParallel
@@ -531,6 +531,12 @@ from torch.utils.checkpoint import _StopRecomputationError  # noqa: E402
 CONTROL_FLOW = (_StopRecomputationError,)
 """Exceptions torch raises through a module to steer its own control flow, no error (a
 non-reentrant checkpoint's early stop of its recomputation)."""
+
+
+def unsafe_view(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` in ``shape``, as ATen's own linear hands its rows back: a tensor autograd does not
+    track as a view of ``t`` (an in-place op on it is an ordinary one)."""
+    return torch.ops.aten._unsafe_view(t, shape)
 
 
 def batched(t: torch.Tensor | None = None) -> bool:

@@ -10,7 +10,8 @@ kernel itself, on explicit values, as Megatron's linear.
 Forward: the input's move (an all-gather of a sequence shard; nothing for a replica), then
 ``x @ W.T + b`` on the parameters' local shards (a replicated bias divided among the ranks where
 the output is a partial sum, as the reference route divides its view), as one 2-D product whose
-output is the node's own: an in-place op on it (``ReLU(inplace=True)``) is autograd's, as on one
+rows are handed on in the input's shape as ATen's own linear hands them (no view autograd
+tracks): an in-place op on the output (``ReLU(inplace=True)``) is an ordinary one, as on one
 device. Backward: the input gradient ``g @ W``; its move back started (Megatron's f: the
 all-reduce of a replica's partial sums, the reduce-scatter of a sequence), the weight and bias
 gradients computed while it runs (``overlap``; else after it), then the wait. The reference
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, will_run
+from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, unsafe_view, will_run
 from tpfn.interpret.moves import Moved, first_order, grad_spec
 from tpfn.layout import Partial, Replicate
 
@@ -103,14 +104,14 @@ def linear(x, weight, bias, move, specs: tuple, *, share: int = 1, overlap: bool
     of the replica ``x`` (see the module docstring). ``keep`` gets the moved input."""
     lead = (move.shape if move.steps else x.shape)[:-1]
     trains = weight.requires_grad or bias is not None and bias.requires_grad
-    if torch.is_grad_enabled() and (trains or x.requires_grad and (move.steps or move.back)):
+    if torch.is_grad_enabled() and (trains or x.requires_grad and move.mesh.size() > 1):
         out = _Linear.apply(x, weight, bias, move, specs, share, overlap, hand, what, keep)
-    else:  # nothing to hand back as DTensors nor to move: plain ops, as the reference's (differentiable twice)
+    else:  # no gradients, or frozen on one rank: plain ops, as the reference's (differentiable twice)
         moved = move.run(x, what) if move.steps else x
         if keep is not None:
             keep.append(moved)
         out = _product(moved, weight, bias, share)
-    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])
+    return out if len(lead) == 1 else unsafe_view(out, (*lead, out.shape[-1]))
 
 
 def _autocast(device: str) -> bool:
