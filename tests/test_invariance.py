@@ -62,8 +62,9 @@ def _reference(sp: bool, loss_parallel: bool = True, observed: bool = False):
             if loss_parallel:
                 return tpfn.cross_entropy(logits.flatten(0, 1), target, label_smoothing=0.1, invariant=True)
             return F.cross_entropy(logits.flatten(0, 1), target)
-        if observed:  # a user's hook on q's input and activation checkpointing, at every degree alike
+        if observed:  # a user's hook on q's input, a frozen linear, activation checkpointing
             model.layers[0].attention.wq.register_forward_pre_hook(lambda m, args: args[0].retain_grad())
+            model.layers[1].feed_forward.w1.requires_grad_(False)
             for layer in model.layers:
                 layer.forward = functools.partial(_checkpointed, layer)
         return model, plan, (ids,), loss
@@ -151,7 +152,7 @@ def _train(name: str, invariant: bool = True) -> dict:
                 loss.backward()
             if step == 0:
                 seen["output"] = _full(getattr(out, "logits", out)).detach().clone()
-                seen.update({f"{n}.grad": _full(p.grad).clone() for n, p in model.named_parameters()})
+                seen.update({f"{n}.grad": _full(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad})
             seen[f"loss {step}"] = loss.detach().clone()
             seen[f"norm {step}"] = tpfn.clip_grad_norm_(model.parameters(), 0.5, invariant=invariant)
             opt.step()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, will_run
+from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, unsafe_view, will_run
 from tpfn.algebra import shard_ranges
 from tpfn.bounded import Bound, all_reduce
 from tpfn.errors import ModuleError
@@ -148,15 +148,14 @@ def linear(x, weight, bias, move, geo: Geometry, specs: tuple, *, overlap: bool 
     replica ``x``. ``keep`` gets the moved input."""
     lead = (move.shape if move.steps else x.shape)[:-1]
     trains = weight.requires_grad or bias is not None and bias.requires_grad
-    if torch.is_grad_enabled() and (trains or x.requires_grad and (move.steps or move.back)):
+    if torch.is_grad_enabled() and (trains or x.requires_grad):  # (its backward's sums are the tree's too)
         out = _Canonical.apply(x, weight, bias, move, geo, specs, overlap, hand, what, keep)
-    else:  # nothing to hand back nor to move back: the same products, untracked
+    else:  # no gradient to compute: the same products
         moved = move.run(x, what) if move.steps else x
         if keep is not None:
             keep.append(moved)
-        with torch.no_grad():
-            out = _forward(_rows(moved), local_tensor(weight), None if bias is None else local_tensor(bias), geo)
-    return out if len(lead) == 1 else out.view(*lead, out.shape[-1])
+        out = _forward(_rows(moved), local_tensor(weight), None if bias is None else local_tensor(bias), geo)
+    return out if len(lead) == 1 else unsafe_view(out, (*lead, out.shape[-1]))
 
 
 def _refused(rt, x) -> str | None:
