@@ -256,3 +256,43 @@ def test_replicated_kv_heads_are_named_for_what_the_model_must_do():
         "head's gradient over them at the projection's output, which gives one rank's bits only where the model "
         "repeats the heads right after projecting them (values; keys with no rotary embedding between); use at "
         "most 2 ranks for one rank's bits in every model (docs/invariance.md)."]
+
+
+# -- verify(..., exact=True): bits against one rank ------------------------------------------
+
+class _Broadcast(nn.Module):
+    """Grouped-query attention that repeats its KV heads as transformers' eager attention does:
+    on a rank that holds one KV head, a broadcast view, which matmul multiplies by another route."""
+
+    def __init__(self, dim=32, heads=4, kv=2, d=8):
+        super().__init__()
+        self.d = d
+        self.q, self.k, self.v = nn.Linear(dim, heads * d), nn.Linear(dim, kv * d), nn.Linear(dim, kv * d)
+        self.o = nn.Linear(heads * d, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).unflatten(-1, (-1, self.d)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        rep = q.shape[1] // k.shape[1]
+        k, v = (t[:, :, None].expand(b, t.shape[1], rep, s, self.d).reshape(b, -1, s, self.d) for t in (k, v))
+        att = torch.softmax(q @ k.transpose(2, 3) / self.d ** 0.5, -1)
+        return self.o((att @ v).transpose(1, 2).flatten(2))
+
+
+def test_verify_exact_compares_bits_with_one_rank_and_names_the_first_module_that_differs():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    plan = {"0": sequence_parallel(local=True), "1": prepare_in(Shard(1)) >> colwise(),
+            "3": rowwise() >> prepare_out(Shard(1)), "": prepare_in(Shard(1), local=True)}
+    report = tpfn.verify(mlp, plan, (2, 16, 32), dtype=torch.float32, world_size=2, exact=True, progress=False)
+    assert report.ok and report.exact and report.tolerance == 0
+    assert all(c.output in (None, 0) and all(e == 0 for _, e in c.grads) for c in report.checks)
+    assert report.text().startswith("tpfn.verify on 2 ranks against one rank in invariant mode, bit for bit")
+
+    attention = {"": prepare_in(Replicate(), local=True), "[qkv]": colwise(), "o": rowwise()}
+    assert tpfn.verify(_Broadcast(), attention, (2, 16, 32), dtype=torch.float32, progress=False).ok  # rounding
+    found = tpfn.verify(_Broadcast(), attention, (2, 16, 32), dtype=torch.float32, exact=True, progress=False)
+    assert not found.ok and found.culprit == "q"
+    assert found.hint.startswith(
+        "'q' (Linear) (colwise()) is the last module, in execution order, whose parameter gradients' bits "
+        "differ from one rank's")
