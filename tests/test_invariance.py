@@ -296,3 +296,24 @@ def test_verify_exact_compares_bits_with_one_rank_and_names_the_first_module_tha
     assert found.hint.startswith(
         "'q' (Linear) (colwise()) is the last module, in execution order, whose parameter gradients' bits "
         "differ from one rank's")
+
+
+# -- explain: invariant mode's collectives and bytes, and whether a plan has it ---------------
+
+def test_explain_counts_invariant_mode_and_says_what_keeps_a_plan_from_it():
+    def report(n, sp, **kw):
+        model = local_heads(transformer(vocab_size=32, dim=32, n_heads=4, n_layers=2, max_seq_len=16), n)
+        return tpfn.explain(model, transformer_plan(sp), world_size=n, example_inputs=(2, 16), **kw)
+
+    for sp, summed in ((False, {"all_reduce"}), (True, {"reduce_scatter", "all_reduce"})):
+        default, invariant = report(2, sp), report(2, sp, invariant=True)
+        assert default.invariance == () and default.chunks is None and invariant.chunks == 8
+        assert summed <= set(default.collectives) and not summed & set(invariant.collectives)
+        assert invariant.bytes == default.bytes                        # on 2 ranks: the same bytes
+        assert report(4, sp, invariant=True).bytes > report(4, sp).bytes  # on 4: all-gathers of partial sums
+    assert invariant.collectives == {"all_gather": 13, "all_to_all": 11}
+    assert "invariant mode: 8 chunks: the same bits on 1, 2, 4, 8 ranks" in invariant.text()
+    assert "invariant mode" not in default.text()
+    mha = tpfn.explain(nn.Sequential(nn.MultiheadAttention(16, 4)), {"0": colwise()}, world_size=2)
+    assert mha.invariance[0].startswith("colwise() at '0' (MultiheadAttention): invariant mode cannot order")
+    assert mha.to_dict()["invariance"] == list(mha.invariance)

@@ -450,6 +450,13 @@ def all_reduced(t: torch.Tensor, op: str, group) -> torch.Tensor:
     return _funcol.wait_tensor(_funcol.all_reduce(t, op, group))
 
 
+def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+    """Chunk ``s`` of ``t`` (equal chunks of dim 0) sent to rank ``s`` of ``group`` (as
+    ``all_reduced`` takes it), rank ``s``'s chunk for this rank received in chunk ``s``, as a new
+    tensor, waited on; not differentiable."""
+    return _funcol.wait_tensor(_funcol.all_to_all_single(t.contiguous(), None, None, group))
+
+
 # --- a module's own tables -----------------------------------------------------------------
 
 
@@ -497,7 +504,7 @@ def fake_ranks(mesh) -> bool:
 
 
 __all__ += [
-    "all_to_all_into", "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
+    "all_to_all_into", "all_to_all", "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode",
     "batched", "CONTROL_FLOW", "unsafe_view"]

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import tensor as _dt
 
-from tpfn._torch import (DTensorSpec, TensorMeta, all_gather_into, all_reduced, all_to_all_into, backend_of,
+from tpfn._torch import (DTensorSpec, TensorMeta, all_gather_into, all_reduced, all_to_all, all_to_all_into, backend_of,
                          backend_timeout, collective_options, collectives_issued, group_store,
                          redistribute_local_tensor, reduce_scatter_into, set_backend_timeout)
 from tpfn.algebra import AllGather, AllReduce, Chunk, ReduceScatter, Split, chunk_bounds, contiguous_strides
@@ -413,9 +413,8 @@ def tree_scatter(x: torch.Tensor, dim: int, mesh, bound: Bound, wait: bool = Tru
         out = torch.empty_like(send)
         work = bound.issue(all_to_all_into, out, send, bound.group, bound.options("alltoall"))
         return _done(out, work, bound, wait, lambda out: total(out.unbind(0)))
-    flat = send.flatten(1)  # rank s's (n, R) is a Shard(1) of (n, n * R); Shard(0) makes row r whole
-    out = _redistributed(flat, mesh, (n, n * flat.shape[1]), _dt.Shard(1), _dt.Shard(0), bound)
-    out = total(out.view(n, *send.shape[1:]).unbind(0))
+    with bound.issuing():
+        out = total(all_to_all(send, (mesh, 0)).unbind(0))
     return out if wait else lambda: out
 
 
