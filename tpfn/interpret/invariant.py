@@ -75,10 +75,9 @@ def sums_positions(mount) -> bool:
 
 
 def _problem(m, module: nn.Module, n: int, chunks: int) -> str | None:
-    sharded = any(isinstance(p, Shard) for _, p in m.params)
     shards = m.shards
-    if shards is None:
-        if sharded and not isinstance(module, nn.Embedding):
+    if shards is None:  # (a style of slots alone hands on what arrives; its children are checked)
+        if m.style.core is not None and not isinstance(module, nn.Embedding):
             return ("orders the sums of modules that compute on local shards, and this one computes on "
                     "DTensors (its forward is not its kind's own), whose sums DTensor orders; leave it out "
                     "of the plan, or give it its kind's forward.")
