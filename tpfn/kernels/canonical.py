@@ -48,16 +48,15 @@ __all__ = ["Geometry", "linear", "call"]
 
 
 class Geometry:
-    """Where a rank's chunks lie: ``row`` (the weight's input features are cut; else its output
-    features), the ``chunks`` and this rank's ``leaves`` (a range), the chunks it holds (``held``,
-    from its first, ``first``), a bias added to leaf 0 here (``bias_here``), and the ``Bound`` of
-    the two ranks that replicate its heads (``pair``; None: none)."""
+    """Where a rank's chunks of ``chunks`` lie: ``row`` (the weight's input features are cut; else
+    its output features), this rank's ``leaves`` (a range), the chunks it holds (``held``, from its
+    first, ``first``), a bias added to leaf 0 here (``bias_here``), and the ``Bound`` of the two
+    ranks that replicate its heads (``pair``; None: none)."""
 
-    __slots__ = ("row", "chunks", "leaves", "held", "first", "bias_here", "pair")
+    __slots__ = ("row", "leaves", "held", "first", "bias_here", "pair")
 
     def __init__(self, layout: Shard, size: int, chunks: int, n: int, rank: int, pair=None):
-        self.row, self.chunks = layout.dim % 2 == 1, chunks
-        self.leaves = leaves(chunks, n, rank)
+        self.row, self.leaves = layout.dim % 2 == 1, leaves(chunks, n, rank)
         (start, length), = shard_ranges(size, layout, n, rank)
         width = size // chunks
         self.first, self.held = start // width, length // width
@@ -130,8 +129,8 @@ class _Canonical(torch.autograd.Function):
                 if ctx.move.back:
                     ctx.metadata["overlaps"] = int(ctx.overlap and any(need[1:3]))  # (tpfn.explain reads it)
                     wait = ctx.move.pulled(gx, ctx.what, wait=not ctx.overlap)
-                    gx = None if ctx.overlap else wait
-                    wait = wait if ctx.overlap else None
+                    if not ctx.overlap:
+                        gx, wait = wait, None
         gw = DTensor(torch.cat([p.t().mm(rows) for p in parts]), wspec, requires_grad=False) if need[1] else None
         gb = DTensor(torch.cat([p.sum(0) for p in parts]), bspec, requires_grad=False) if need[2] else None
         if wait is not None:

@@ -65,8 +65,9 @@ def _norm(grads: list, norm_type: float) -> torch.Tensor:
 
 
 def _chunk_sums(g, norm_type: float, chunks: int) -> tuple:
-    """``(group, sharded tensor dim, chunks of g, {chunk: its sum of |x| ** p, or its max})`` of one
-    gradient, for the chunks this rank holds (each a contiguous copy: laid out alike at every degree)."""
+    """``((mesh, sharded mesh dims), k, {chunk: its sum of |x| ** p, or its max})`` of one gradient
+    cut into ``k`` chunks, for the chunks this rank holds (each a contiguous copy: laid out alike at
+    every degree)."""
     inf = math.isinf(norm_type)
     mesh, mesh_dims, dims, local, offset = None, (), set(), g, None
     if isinstance(g, DTensor):
@@ -85,8 +86,9 @@ def _chunk_sums(g, norm_type: float, chunks: int) -> tuple:
     else:
         k = chunks if g.shape[d] % chunks == 0 else 1
         if k == 1 and mesh_dims:
-            raise ValueError(f"clip_grad_norm_(invariant=...): a gradient's {g.shape[d]} rows in its sharded dim {d} "
-                             f"do not split into {chunks} equal chunks; give invariant= a power of two that divides them.")
+            raise ValueError(f"clip_grad_norm_(invariant=...): a gradient's {g.shape[d]} rows in its sharded dim "
+                             f"{d} do not split into {chunks} equal chunks; give invariant= a power of two that "
+                             "divides them.")
     sums = {}
     width = 1 if d is None else g.shape[d] // k
     first = 0 if d is None or offset is None else offset[d] // width
