@@ -280,7 +280,7 @@ def test_the_package_ships_its_subpackages_and_types():
     assert config["tool"]["setuptools"]["package-data"] == {"tpfn": ["py.typed"]}
     assert (ROOT / "tpfn" / "py.typed").is_file()
     subpackages = {p.parent.name for p in (ROOT / "tpfn").glob("*/__init__.py")}
-    assert subpackages == {"adapters", "dryrun", "interpret", "kernels", "plans", "style", "suggest",
+    assert subpackages == {"adapters", "analysis", "dryrun", "interpret", "kernels", "plans", "style", "suggest",
                            "training"}
     project = config["project"]
     assert "torch>=2.13,<2.15" in project["dependencies"]  # private torch APIs: checked on 2.13, 2.14

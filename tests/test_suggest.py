@@ -17,7 +17,7 @@ from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
 from tpfn.dryrun.cost import Link, Machine
 from tpfn.dryrun.units import fmt_seconds
-from tpfn.suggest.factors import local_shape, plain, tag, view
+from tpfn.analysis.factors import local_shape, plain, tag, view
 
 TOL = 1e-5  # float32 sums in another order (tests/test_parallelize.py's bar for a block)
 
@@ -390,7 +390,7 @@ def test_heads_split_from_features_and_merged_back_hold_each_ranks_share(b, s, h
 
 
 def test_dry_runs_keep_the_values_of_inputs_and_a_meta_value_written_into_one_is_unknown():
-    from tpfn.suggest.hybrid import Hybrid
+    from tpfn.analysis.hybrid import Hybrid
 
     weight = torch.empty(4, device="meta")
     with Hybrid():

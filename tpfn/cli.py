@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from tpfn.dryrun import explain
-from tpfn.dryrun.explain import ExampleInput
+from tpfn.analysis.inputs import ExampleInput
 from tpfn.dryrun.table import MIN_WIDTH, prose
 from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError

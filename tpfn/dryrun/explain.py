@@ -6,7 +6,7 @@ run is seen from rank 0. With example inputs it runs one forward and the backwar
 sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
 each collective. The user's module is never changed.
 
-Each dry run makes its own fake mesh (``tpfn.dryrun.fake``) and unregisters its group at
+Each dry run makes its own fake mesh (``tpfn.analysis.fake``) and unregisters its group at
 the end, so ``explain`` runs inside a job whose default group is initialized, and after the
 user's own ``init_process_group``/``destroy_process_group``.
 
@@ -18,11 +18,9 @@ two runs and checks the fit against the third; a size that is no such product is
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import warnings
-from collections.abc import Mapping
 from fractions import Fraction
 
 import attrs
@@ -32,13 +30,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import join
-from tpfn._torch import buffers_of, parameters_of
+from tpfn._torch import parameters_of
 from tpfn.algebra import local_shape, transition
+from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.hybrid import meta_copy
+from tpfn.analysis.inputs import ExampleInput, floats, is_shape, split_inputs
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun import units
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine, predict
-from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.dryrun.slots import Slots, storage_of
 from tpfn.dryrun.work import count
@@ -50,48 +50,7 @@ from tpfn.plans.mount import local_sizes
 from tpfn.plans.plan import Plan
 from tpfn.style.style import Style
 
-__all__ = ["explain", "ExampleInput", "meta_copy"]
-
-
-def meta_copy(module: nn.Module, *, values: bool = False, who: str = "explain") -> nn.Module:
-    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept);
-    ``values``: its buffers and tensor attributes real, copied to the CPU (meta ones stay meta).
-    ``who``: the caller, for the error a DTensor raises."""
-    memo: dict = {}
-    for fqn, sub in module.named_modules():
-        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
-                                           vars(sub).items()):
-            if not isinstance(value, torch.Tensor) or id(value) in memo:
-                continue
-            if isinstance(value, DTensor):
-                raise ValueError(
-                    f"{join(fqn, name)!r} is already a DTensor: {who} takes the module as it is "
-                    "before parallelize (build it on the meta device if it is big).")
-            if values and not isinstance(value, nn.Parameter) and not value.is_meta:
-                memo[id(value)] = value.detach().to("cpu", copy=True)
-                continue
-            meta = torch.empty_like(value, device="meta")
-            memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
-                value, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
-
-
-@attrs.frozen
-class ExampleInput:
-    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
-
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool = False
-
-    def meta(self, values: dict) -> torch.Tensor:
-        shape = [int(sympy.sympify(d).subs(values)) for d in self.shape]
-        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
-
-
-def _is_shape(x) -> bool:
-    sizes = lambda d: isinstance(d, (int, sympy.Expr)) and not isinstance(d, bool)  # noqa: E731
-    return isinstance(x, (tuple, list, torch.Size)) and all(map(sizes, x))
+__all__ = ["explain"]
 
 
 def _input(x, dtype):
@@ -100,23 +59,9 @@ def _input(x, dtype):
                         f"a meta tensor or a shape, not a DTensor (got one of shape {tuple(x.shape)}).")
     if isinstance(x, torch.Tensor):
         return ExampleInput(tuple(x.shape), x.dtype, x.requires_grad)
-    if _is_shape(x):
+    if is_shape(x):
         return ExampleInput(tuple(x), dtype)
     return x
-
-
-def split_inputs(example_inputs, make, is_shape=_is_shape) -> tuple:
-    """``(args, kwargs)`` of ``example_inputs`` (a tensor, a shape, a tuple of them or a dict), each
-    value made by ``make``; ``is_shape`` tells one shape from a tuple of inputs."""
-    if isinstance(example_inputs, Mapping):
-        return (), {k: make(v) for k, v in example_inputs.items()}
-    if isinstance(example_inputs, torch.Tensor) or (is_shape(example_inputs) and example_inputs):
-        return (make(example_inputs),), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(make(x) for x in example_inputs), {}
-    raise TypeError(
-        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
-        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
 
 
 def _local(shape: tuple, placement, shown, n: int) -> tuple:
@@ -214,19 +159,6 @@ def _blocks(module: nn.Module) -> tuple:
              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1]
     n, fqn = max(lists, key=lambda x: x[0], default=(0, ""))
     return tuple(join(fqn, str(i)) for i in range(n))
-
-
-def tensors(x) -> list:
-    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
-    return [t for item in items for t in tensors(item)]
-
-
-def floats(out) -> list:
-    """Every floating-point tensor in an output (tensors, tuples, lists, dicts) that needs a gradient."""
-    return [t for t in tensors(out) if t.is_floating_point() and t.requires_grad]
 
 
 def _tokens(x: ExampleInput):

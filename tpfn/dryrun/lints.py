@@ -37,12 +37,13 @@ import sys
 import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
+from tpfn.analysis.where import failing_module
 from tpfn.layout import Shard
 from tpfn.plans.refusals import linear_width, local_colwise, once, part_widths, projected_heads
 from tpfn.style.constructors import per_rank
 
 __all__ = ["uneven", "replicated_heads", "head_counts", "fused", "siblings", "failure",
-           "failing_module", "local_colwise", "named_ranks"]
+           "local_colwise", "named_ranks"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -427,18 +428,6 @@ def _meta_hint(module: nn.Module, exc: BaseException):
             "(2, 8), 'use_cache': True}, which changes no collective.")
     return hint + ("; make that value a Python number (an attribute or an argument), or leave "
                    "out the example inputs for placements and declared layouts only.")
-
-
-def failing_module(exc: BaseException, module: nn.Module) -> str | None:
-    """The FQN of the innermost module of ``module`` in ``exc``'s traceback (None: none)."""
-    names, fqn = {id(m): fqn for fqn, m in module.named_modules()}, None
-    tb = exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            fqn = names[id(owner)]
-        tb = tb.tb_next
-    return fqn
 
 
 def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str,

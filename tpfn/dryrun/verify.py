@@ -20,10 +20,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, generalize, join, within
-from tpfn.dryrun.explain import floats, split_inputs, tensors
-from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.inputs import floats, split_inputs, tensors
+from tpfn.analysis.where import failing_module
 from tpfn.dryrun.forked import on_ranks
-from tpfn.dryrun.lints import failing_module, local_colwise
+from tpfn.dryrun.lints import local_colwise
 from tpfn.dryrun.table import cell, checked_width, prose, render
 from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize

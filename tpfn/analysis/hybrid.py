@@ -25,21 +25,48 @@ True
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from tpfn._torch import TorchDispatchMode, grouped_mm_op
-from tpfn.dryrun.explain import meta_copy
+from tpfn._fqn import join
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, parameters_of
 
-__all__ = ["Hybrid", "hybrid_copy", "real"]
+__all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real"]
 
 _GROUPED_MM = grouped_mm_op()
 
 
-def hybrid_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module, *, values: bool = False, who: str = "explain") -> nn.Module:
+    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept);
+    ``values``: its buffers and tensor attributes real, copied to the CPU (meta ones stay meta).
+    ``who``: the caller, for the error a DTensor raises."""
+    memo: dict = {}
+    for fqn, sub in module.named_modules():
+        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
+                                           vars(sub).items()):
+            if not isinstance(value, torch.Tensor) or id(value) in memo:
+                continue
+            if isinstance(value, DTensor):
+                raise ValueError(
+                    f"{join(fqn, name)!r} is already a DTensor: {who} takes the module as it is "
+                    "before parallelize (build it on the meta device if it is big).")
+            if values and not isinstance(value, nn.Parameter) and not value.is_meta:
+                memo[id(value)] = value.detach().to("cpu", copy=True)
+                continue
+            meta = torch.empty_like(value, device="meta")
+            memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
+                value, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def hybrid_copy(module: nn.Module, who: str = "suggest") -> nn.Module:
     """A deep copy whose parameters are meta tensors (ties kept) and whose buffers and tensor
-    attributes are CPU copies (meta ones stay meta)."""
-    return meta_copy(module, values=True, who="suggest")
+    attributes are CPU copies (meta ones stay meta); ``who``: the caller, for errors."""
+    return meta_copy(module, values=True, who=who)
 
 
 def real(x):

@@ -1,11 +1,11 @@
-"""The example inputs of a suggestion: the caller's, or token ids for a transformers model.
+"""The example inputs of a dry run: the caller's, or token ids for a transformers model.
 
 A transformers model (one with a ``config`` and a ``main_input_name`` of ``input_ids``) runs
 on one sequence of token ids, half its positions long and at most ``TOKENS``, with
 ``decoder_input_ids`` as well for an encoder-decoder. Any other module needs
 ``example_inputs``, as ``tpfn.explain`` takes them: tensors, shapes (token ids, below the
 smallest embedding's vocabulary), a tuple of them or a dict. The dry runs take them real,
-on the CPU (``tpfn.suggest.hybrid``), and a shape as seeded random ids.
+on the CPU (``tpfn.analysis.hybrid``), and a shape as seeded random ids.
 
 >>> args, kwargs = example(nn.Embedding(10, 4), (2, 3))
 >>> args[0].shape, args[0].dtype, bool((args[0] < 10).all())
@@ -15,14 +15,16 @@ on the CPU (``tpfn.suggest.hybrid``), and a shape as seeded random ids.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
+import attrs
+import sympy
 import torch
 import torch.nn as nn
 
-from tpfn.dryrun.explain import ExampleInput, split_inputs
-from tpfn.suggest.hybrid import real
+from tpfn.analysis.hybrid import real
 
-__all__ = ["example", "defaults", "TOKENS"]
+__all__ = ["example", "defaults", "TOKENS", "ExampleInput", "is_shape", "split_inputs", "tensors", "floats"]
 
 TOKENS = 512  # the longest default sequence
 _LENGTHS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
@@ -68,3 +70,49 @@ def example(model: nn.Module, example_inputs) -> tuple:
         return real(x)
 
     return split_inputs(example_inputs, make)
+
+
+@attrs.frozen
+class ExampleInput:
+    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
+
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    def meta(self, values: dict) -> torch.Tensor:
+        shape = [int(sympy.sympify(d).subs(values)) for d in self.shape]
+        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
+
+
+def is_shape(x) -> bool:
+    """Whether ``x`` is one shape (a tuple of ints or sympy expressions), not a tuple of inputs."""
+    sizes = lambda d: isinstance(d, (int, sympy.Expr)) and not isinstance(d, bool)  # noqa: E731
+    return isinstance(x, (tuple, list, torch.Size)) and all(map(sizes, x))
+
+
+def split_inputs(example_inputs, make, shape=is_shape) -> tuple:
+    """``(args, kwargs)`` of ``example_inputs`` (a tensor, a shape, a tuple of them or a dict), each
+    value made by ``make``; ``shape`` tells one shape from a tuple of inputs."""
+    if isinstance(example_inputs, Mapping):
+        return (), {k: make(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor) or (shape(example_inputs) and example_inputs):
+        return (make(example_inputs),), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(make(x) for x in example_inputs), {}
+    raise TypeError(
+        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
+        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
+
+
+def tensors(x) -> list:
+    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
+    return [t for item in items for t in tensors(item)]
+
+
+def floats(out) -> list:
+    """Every floating-point tensor in an output (tensors, tuples, lists, dicts) that needs a gradient."""
+    return [t for t in tensors(out) if t.is_floating_point() and t.requires_grad]
