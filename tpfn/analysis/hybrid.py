@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import join
-from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, parameters_of
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
 
 __all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real"]
 
@@ -89,6 +89,8 @@ def _tensors(x) -> list:
 
 
 def _to_meta(x):
+    if isinstance(x, DTensor):
+        return x if x.is_meta else meta_like(x)
     if isinstance(x, torch.Tensor):
         return x if x.is_meta else x.to("meta")
     if isinstance(x, (tuple, list)):
@@ -113,7 +115,9 @@ class Hybrid(TorchDispatchMode):
         self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
 
     def _meta(self, t: torch.Tensor) -> bool:
-        return t.is_meta or t.untyped_storage().data_ptr() in self.unknown
+        if t.is_meta or isinstance(t, DTensor):  # (a DTensor's values are its local tensor's)
+            return t.is_meta
+        return t.untyped_storage().data_ptr() in self.unknown
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -49,14 +49,14 @@ def defaults(model: nn.Module):
     return found
 
 
-def example(model: nn.Module, example_inputs) -> tuple:
+def example(model: nn.Module, example_inputs, who: str = "suggest") -> tuple:
     """``(args, kwargs)`` of the dry runs from ``example_inputs`` (None: a transformers
-    model's defaults)."""
+    model's defaults); ``who``: the tool, for the error of a model that needs inputs."""
     if example_inputs is None:
         example_inputs = defaults(model)
         if example_inputs is None:
             raise TypeError(
-                f"suggest runs one forward of {type(model).__name__} to see where its features go: "
+                f"{who} runs one forward of {type(model).__name__} to see where its features go: "
                 "give example_inputs= as tpfn.explain takes them, e.g. (8, 128) for token ids, or "
                 "{'x': torch.randn(8, 128, 512)} for a keyword input.")
     vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)

@@ -1,4 +1,12 @@
-"""Where in a model something happened: the module a failure is in.
+"""Where in a model something happened: the module a failure is in, and the line of the
+model's source that ran an op.
+
+``failing_module(exc, model)`` is the innermost module of ``model`` in a traceback.
+``caller()`` classifies the code that issued the op being dispatched now: the model's own
+(``("model", "path:line")``, the innermost frame outside torch, tpfn and Python's library),
+tpfn's (its runtime moving a slot, or a tpfn function the model calls: ``("tpfn", ...)``), or
+none (autograd's engine running a backward: ``(None, "")``). ``rank_reads()`` records where the
+model's code asks for its rank (or whether it runs distributed at all).
 
 >>> import torch
 >>> linear = nn.Sequential(nn.Linear(2, 2))
@@ -7,13 +15,65 @@
 ... except RuntimeError as e:
 ...     failing_module(e, linear)
 '0'
+>>> caller(0)[0]  # this docstring's code: the model's, as far as the check can tell
+'model'
 """
 
 from __future__ import annotations
 
-import torch.nn as nn
+import contextlib
+import inspect
+import os
+import sys
+import sysconfig
 
-__all__ = ["failing_module"]
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["failing_module", "caller", "source", "kind", "innermost", "rank_reads"]
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TPFN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+_KINDS: dict = {}  # a code file -> "skip" (torch, Python's library), "tpfn" or "model"
+
+
+def kind(filename: str) -> str:
+    """``"skip"`` (torch, Python's library), ``"tpfn"`` or ``"model"``: whose code a file is."""
+    found = _KINDS.get(filename)
+    if found is None:
+        real = os.path.realpath(filename) if os.path.isabs(filename) else filename
+        found = ("skip" if real.startswith(_TORCH) or filename.startswith(_TORCH) or real.startswith(_LIBRARY)
+                 or filename.startswith("<frozen") else "tpfn" if real.startswith(_TPFN) else "model")
+        _KINDS[filename] = found
+    return found
+
+
+def source(filename: str, line: int) -> str:
+    """``'transformers/models/llama/modeling_llama.py:123'``: a source line as findings name it
+    (a path inside site-packages from the package, else as the code object names it)."""
+    return f"{filename.rpartition('site-packages' + os.sep)[2]}:{line}"
+
+
+def caller(depth: int = 1) -> tuple:
+    """``(kind, line)`` of the code that issued the op being dispatched (see the module
+    docstring), from the frame ``depth`` levels above this call's caller. A torch module's own
+    ``forward`` that tpfn's runtime calls (a module bound by a style of primitives) is the
+    model's code, as where one device calls it."""
+    frame, module = sys._getframe(depth + 1), None
+    while frame is not None:
+        code = frame.f_code
+        whose = kind(code.co_filename)
+        if whose != "skip":
+            if whose == "tpfn" and module is not None:
+                return "model", module
+            return whose, source(code.co_filename, frame.f_lineno)
+        if code.co_name == "forward" and module is None and isinstance(frame.f_locals.get("self"), nn.Module):
+            module = source(code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None, ""
 
 
 def failing_module(exc: BaseException, module: nn.Module) -> str | None:
@@ -26,3 +86,43 @@ def failing_module(exc: BaseException, module: nn.Module) -> str | None:
             fqn = names[id(owner)]
         tb = tb.tb_next
     return fqn
+
+
+def innermost(exc: BaseException) -> str:
+    """The model's source line innermost in ``exc``'s traceback (``''``: none)."""
+    tb, found = exc.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if kind(code.co_filename) == "model":
+            found = source(code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+# What the model's code may ask to learn which rank it runs on, or whether it runs on ranks.
+_RANK = {inspect.unwrap(f).__code__: name for f, name in (
+    (dist.get_rank, "torch.distributed.get_rank()"), (dist.get_group_rank, "torch.distributed.get_group_rank()"),
+    (dist.is_initialized, "torch.distributed.is_initialized()"),
+    (DeviceMesh.get_local_rank, "DeviceMesh.get_local_rank()"),
+    (DeviceMesh.get_coordinate, "DeviceMesh.get_coordinate()"), (DeviceMesh.get_rank, "DeviceMesh.get_rank()"))}
+
+
+@contextlib.contextmanager
+def rank_reads(seen):
+    """While entered, ``seen(what, line)`` where the model's code (on this thread) calls a
+    function that tells its rank, or whether it runs on ranks."""
+    before = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if before is not None:
+            before(frame, event, arg)
+        if event == "call" and frame.f_code in _RANK and frame.f_back is not None:
+            back = frame.f_back.f_code
+            if kind(back.co_filename) == "model":
+                seen(_RANK[frame.f_code], source(back.co_filename, frame.f_back.f_lineno))
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(before)

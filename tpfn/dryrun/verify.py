@@ -175,12 +175,21 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
 
 
 def _grads(model: nn.Module) -> dict:
-    """``{name: (local gradient, layout) or None}`` of every parameter."""
+    """``{name: (local gradient, layout) or None}`` of every parameter: a DTensor gradient laid
+    out as its parameter is in the parameter's layout (which holds what DTensor cannot say, packed
+    parts), else in its own (DTensor's embedding with a ``padding_idx`` hands back a replicated
+    gradient of a row-sharded weight)."""
     out, placed = {}, layouts(model)
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = None if g is None else (g.to_local().clone(), placed.get(
-            name, from_torch(g.placements)[0])) if isinstance(g, DTensor) else (g.clone(), Replicate())
+        if g is None:
+            out[name] = None
+        elif not isinstance(g, DTensor):
+            out[name] = (g.clone(), Replicate())
+        else:
+            same = isinstance(p, DTensor) and tuple(g.placements) == tuple(p.placements)
+            own = from_torch(g.placements)[0]
+            out[name] = (g.to_local().clone(), placed.get(name, own) if same else own)
     return out
 
 
