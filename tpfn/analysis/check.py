@@ -143,10 +143,9 @@ def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = 
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
     n = _world_size(world_size)
     args, kwargs = example(model, example_inputs, who="check")
-    meta = hybrid_copy(model, who="check")
-    mounts = {m.fqn: m for m in resolve(plan, meta)}
-    trace = typed(meta, mounts, args, kwargs, n)
-    findings = [*trace.findings, *on_ranks(meta, plan, n, args, kwargs, trace)]
+    one = hybrid_copy(model, who="check")  # (each run its own copy: a forward may set attributes)
+    trace = typed(one, {m.fqn: m for m in resolve(plan, one)}, args, kwargs, n)
+    findings = [*trace.findings, *on_ranks(model, plan, n, args, kwargs, trace)]
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape), str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if hasattr(x, "shape"))
     notes = tuple(f"output {i} of the model is each rank's shard ({v.dims and 'sharded'}), as the plan lays it out"

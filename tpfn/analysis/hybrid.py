@@ -70,11 +70,12 @@ def hybrid_copy(module: nn.Module, who: str = "suggest") -> nn.Module:
 
 
 def real(x):
-    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient."""
+    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient
+    (or where it is meta: no values)."""
     if not isinstance(x, torch.Tensor):
         return x
-    if x.requires_grad:
-        return torch.empty_like(x, device="meta").requires_grad_()
+    if x.requires_grad or x.is_meta:
+        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
     return x.detach().to("cpu", copy=True)
 
 

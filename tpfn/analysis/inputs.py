@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from tpfn.analysis.hybrid import real
 
-__all__ = ["example", "defaults", "TOKENS", "ExampleInput", "is_shape", "split_inputs", "tensors", "floats"]
+__all__ = ["example", "defaults", "TOKENS", "ExampleInput", "is_shape", "split_inputs", "tensors", "floats",
+           "vocabulary"]
 
 TOKENS = 512  # the longest default sequence
 _LENGTHS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
@@ -59,7 +60,7 @@ def example(model: nn.Module, example_inputs, who: str = "suggest") -> tuple:
                 f"{who} runs one forward of {type(model).__name__} to see where its features go: "
                 "give example_inputs= as tpfn.explain takes them, e.g. (8, 128) for token ids, or "
                 "{'x': torch.randn(8, 128, 512)} for a keyword input.")
-    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
+    vocab = vocabulary(model)
     gen = torch.Generator().manual_seed(0)
 
     def make(x):
@@ -72,17 +73,40 @@ def example(model: nn.Module, example_inputs, who: str = "suggest") -> tuple:
     return split_inputs(example_inputs, make)
 
 
+def vocabulary(model: nn.Module) -> int:
+    """The ids below which a token-id input is valid: the smallest embedding's vocabulary (2
+    where there is none)."""
+    return min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=2)
+
+
 @attrs.frozen
 class ExampleInput:
-    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
+    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag;
+    ``value``: the tensor it was given as, if any."""
 
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool = False
+    value: object = attrs.field(default=None, eq=False, repr=False)
 
     def meta(self, values: dict) -> torch.Tensor:
         shape = [int(sympy.sympify(d).subs(values)) for d in self.shape]
         return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
+
+    def real(self, values: dict, vocab: int, gen: torch.Generator) -> torch.Tensor:
+        """The input as a dry run takes it (``tpfn.analysis.hybrid.real``): the tensor given, or
+        one of its shape at ``values``: token ids below ``vocab`` for an integer dtype, random
+        values for a floating one (meta where it needs a gradient)."""
+        if isinstance(self.value, torch.Tensor):
+            return real(self.value)
+        shape = self.meta(values).shape
+        if self.requires_grad:
+            return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=True)
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            return torch.randn(shape, generator=gen).to(self.dtype)
+        if self.dtype == torch.bool:
+            return torch.ones(shape, dtype=torch.bool)
+        return torch.randint(0, vocab, shape, generator=gen, dtype=self.dtype)
 
 
 def is_shape(x) -> bool:

@@ -21,6 +21,8 @@ skipped by the rank's code.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -37,7 +39,7 @@ from tpfn.analysis.where import caller, failing_module, innermost
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.layout import Partial, Shard
 
-__all__ = ["on_ranks"]
+__all__ = ["on_ranks", "watch", "failed", "rank_inputs"]
 
 LOOKAHEAD = 8  # ops of one device's a rank's code may skip as identities at its sizes
 SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
@@ -74,7 +76,12 @@ class _Ranks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:
+            if not self.inside and not self.done and step(func) == "view" and caller()[0] == "model":
+                self._failed_view(func, args)
+            raise
         if self.inside or self.done:
             return out
         ins, outs = tensors(args) + tensors(list(kwargs.values())), tensors(out)
@@ -108,6 +115,30 @@ class _Ranks(TorchDispatchMode):
                 "a rank (a branch on a local shape, or on the rank), so what follows is not one device's "
                 "computation")))
 
+    def _failed_view(self, func, args) -> None:
+        """A view the rank cannot make (a count that is the global one, no -1 beside it)."""
+        seen = self._resync("view", self.where)
+        if seen is None or not seen.outputs:
+            return
+        shape, value, _ = seen.outputs[0]
+        want = expected(value, shape, self.trace.spaces, self.n)
+        sizes = tuple(args[1]) if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+        if want is None or len(sizes) != len(want):
+            return
+        self._view(func, seen, sizes, shape, tuple(w if w is not None else g for g, w in zip(sizes, want)), args,
+                   " (and cannot: the rank's features do not fill it)")
+
+    def _view(self, func, seen, got, shape, want, given, fails: str = "") -> None:
+        named = self._counts(got, want, given)
+        by = f" by {named}" if named else " by a count"
+        hold = f"per_rank({named.split(' = ')[0].removeprefix('self.')!r})" if named and "config" not in named \
+            else "per_rank('<its attribute>')"
+        self.find(func, seen, (
+            f"views its shard as {got}{by} that is the global one{fails}, where its share of one device's "
+            f"{shape} is {want}: the rank's features are cut into the wrong pieces (heads of the wrong "
+            f"size), silently; hold the count per rank with {hold} in the module's style, view with -1 "
+            "for the count and the head size given, or hand the module DTensors (colwise(local=False))"))
+
     def _off(self, t) -> bool:
         found = self.off.get(id(t))
         return found is not None and found is t
@@ -136,8 +167,8 @@ class _Ranks(TorchDispatchMode):
             got = tuple(t.shape)  # a DTensor's is global, as want is for one
             if isinstance(t, DTensor) != value.dtensor and not uniform:
                 continue  # laid out otherwise than the trace follows: its shape says nothing
-            if got != want:
-                shapes.append((got, shape, want))
+            if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+                shapes.append((got, shape, tuple(g if w is None else w for g, w in zip(got, want))))
         differ = [(k, v, w) for (k, v), (_, w) in zip(args, seen.args) if v != w and not (
             isinstance(v, float) and isinstance(w, float) and abs(v - w) <= 1e-12 * max(1.0, abs(w)))]
         sizes_only = seen.op in SIZES and all(k in _SIZE_ARGS for k, _, _ in differ)
@@ -153,15 +184,14 @@ class _Ranks(TorchDispatchMode):
             return True
         got, shape, want = shapes[0]
         if seen.op == "view":
-            named = self._counts(got, want, given)
-            by = f" by {named}" if named else " by a count"
-            hold = f"per_rank({named.split(' = ')[0].removeprefix('self.')!r})" if named and "config" not in named \
-                else "per_rank('<its attribute>')"
+            self._view(func, seen, got, shape, want, given)
+        elif "split" in seen.op:
+            size = dict(args).get("split_size", dict(args).get("split_sizes"))
             self.find(func, seen, (
-                f"views its shard as {got}{by} that is the global one, where its share of one device's "
-                f"{shape} is {want}: the rank's features are cut into the wrong pieces (heads of the wrong "
-                f"size), silently; hold the count per rank with {hold} in the module's style, view with -1 "
-                "for the count and the head size given, or hand the module DTensors (colwise(local=False))"))
+                f"splits its shard into a piece of {got} by {size}, a size that is the global one, where "
+                f"its share of one device's {shape} is {want}: each rank holds 1/{self.n} of the features "
+                "it splits; split by the local size (held with per_rank(...) in the module's style), or "
+                "with chunk(...)"))
         else:
             self.find(func, seen, (
                 f"computes {func} of shape {got} on a rank where its share of one device's {shape} is "
@@ -191,7 +221,7 @@ class _Ranks(TorchDispatchMode):
         self.inside -= self.calls.pop()
 
 
-def _rank_inputs(model: nn.Module, args: tuple, n: int) -> tuple:
+def rank_inputs(model: nn.Module, args: tuple, n: int) -> tuple:
     """The inputs rank 0 passes: its shard where the root's style declares an input sharded."""
     mount = mounted(model)
     slots = mount.inputs.slots if mount is not None else ()
@@ -208,22 +238,50 @@ def _rank_inputs(model: nn.Module, args: tuple, n: int) -> tuple:
     return tuple(mine(x, i) for i, x in enumerate(args))
 
 
+def watch(model: nn.Module, trace, n: int) -> _Ranks:
+    """The mode that follows ``model`` (parallelized on ``n`` fake ranks, a ``hybrid_copy``)
+    against one device's ``trace``: enter it around the forward (under ``Hybrid``), then call
+    its ``rest()`` and set ``done``; its ``findings`` fill as it goes. Its module hooks only
+    observe (``observes_only``: the runtime takes the route it takes unobserved)."""
+    mode = _Ranks(trace, dict(model.named_modules()), n)
+    for fqn, module in model.named_modules():
+        pre = functools.partial(_pre, mode, fqn)
+        post = functools.partial(_post, mode, fqn)
+        pre.observes_only = post.observes_only = True
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post, always_call=True)
+    return mode
+
+
+def _pre(mode, fqn, module, args):
+    mode.pre(fqn, module)
+
+
+def _post(mode, fqn, module, args, out):
+    mode.post(fqn, module)
+
+
+def failed(mode: _Ranks, model: nn.Module, exc: BaseException, phase: str) -> None:
+    """A finding for a run that failed on the rank's shards (unless one found before explains it)."""
+    where = failing_module(exc, model) or ""
+    if not any(within(f.fqn, where) or within(where, f.fqn) for f in mode.findings):
+        mode.findings.append(Finding(where, "", innermost(exc), (
+            f"the {phase} fails on a rank's shards in {describe(model.get_submodule(where), where)}: "
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")))
+
+
 def on_ranks(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, trace) -> list:
     """The findings of ``plan`` on ``n`` fake ranks against one device's ``trace``; a plan that
     ``parallelize`` refuses raises its ``PlanError``."""
     copy, mesh = hybrid_copy(model, who="check"), new_fake_mesh(n)
-    modules = dict(copy.named_modules())
-    mode = _Ranks(trace, modules, n)
     phase = "forward"
     try:
         parallelize(copy, mesh, plan, src_rank=None)
-        for fqn, module in copy.named_modules():
-            module.register_forward_pre_hook(lambda m, a, fqn=fqn: mode.pre(fqn, m))
-            module.register_forward_hook(lambda m, a, o, fqn=fqn: mode.post(fqn, m), always_call=True)
+        mode = watch(copy, trace, n)
         try:
             hybrid = Hybrid()
             with hybrid, mode:
-                out = copy(*_rank_inputs(copy, args, n), **kwargs)
+                out = copy(*rank_inputs(copy, args, n), **kwargs)
                 mode.rest()
                 mode.done, hybrid.values, phase = True, False, "backward"
                 grads = [t.sum() for t in floats(out)]
@@ -234,11 +292,7 @@ def on_ranks(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, trace) -
                     if "expected device" not in str(e):
                         raise
         except Exception as e:  # noqa: BLE001 - a run that fails: the module it fails in, and why
-            failed = failing_module(e, copy) or ""
-            if not any(within(f.fqn, failed) or within(failed, f.fqn) for f in mode.findings):
-                mode.findings.append(Finding(failed, "", innermost(e), (
-                    f"the {phase} fails on a rank's shards in {describe(modules[failed], failed)}: "
-                    f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")))
+            failed(mode, copy, e, phase)
     finally:
         release(mesh)
     return mode.findings

@@ -49,7 +49,7 @@ import torch.nn as nn
 
 from tpfn._fqn import join
 from tpfn._torch import TorchDispatchMode, argument_names
-from tpfn.analysis.factors import Broken, form, local_shape, plain, spaces as held_spaces
+from tpfn.analysis.factors import REPEAT, Broken, expand, form, local_shape, plain, spaces as held_spaces
 from tpfn.analysis.findings import Finding
 from tpfn.analysis.hybrid import Hybrid
 from tpfn.analysis.inputs import tensors as leaves
@@ -57,7 +57,7 @@ from tpfn.analysis.rules import carry, filled, step, tensors
 from tpfn.analysis.spaces import Spaces
 from tpfn.analysis.values import REPLICATED, Value, layout_of, sharded, value_of
 from tpfn.analysis.where import caller, failing_module, rank_reads
-from tpfn.layout import Partial, Replicate, Shard
+from tpfn.layout import Partial, Replicate, Shard, normalize
 from tpfn.style.stages import Core
 
 __all__ = ["typed", "Trace", "Op", "trusted", "arguments", "expected"]
@@ -70,6 +70,8 @@ _CARRIED = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "s
             "gather", "cat", "stack", "neg", "sum", "mean", "roll", "flip", "repeat", "tril", "triu",
             "constant_pad_nd", "masked_fill", "where", "zero", "fill", "mm", "bmm", "matmul",
             "_to_dim_order_copy", "as_strided", "diagonal", "movedim"}
+# Ops that make a tensor of no values yet (what is written into it later decides them).
+_EMPTY = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
 _PRODUCTS = {"mul", "div", "mm", "bmm", "matmul"}   # linear in one partial operand, not in two
 _SUMS = {"add", "sub"}                                # linear where every tensor operand is partial
 
@@ -230,7 +232,9 @@ class _Typing(TorchDispatchMode):
             found = [(o, Value(plain(o.shape), known=False)) for o in outs]
         for t, value in found:
             self.set(t, value)
-        if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])):
+        if func.overloadpacket.__name__.endswith("_") and found:
+            self._written(*found[0])
+        if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])) or _name(func) in _EMPTY:
             self.uniforms.update((id(t), t) for t in outs)
         self.keep.extend(outs)
         name = step(func)
@@ -239,6 +243,19 @@ class _Typing(TorchDispatchMode):
                                tuple((tuple(t.shape), self.value(t), self.uniform(t)) for t in outs)))
         return out
 
+    def _written(self, t: torch.Tensor, value: Value) -> None:
+        """A shard written in place into a view of a tensor of no values yet (``new_empty``,
+        ``zeros``): the tensor holds that shard, on the dims the view keeps whole."""
+        base = t._base
+        if base is None or not self.uniform(base) or not sharded(value) or base.dim() != t.dim():
+            return
+        dims = []
+        for d, (whole, part) in enumerate(zip(base.shape, t.shape)):
+            if whole != part and held_spaces((value.dims[d],)):
+                return
+            dims.append(value.dims[d] if whole == part else plain((whole,))[0])
+        self.set(base, Value(tuple(dims)))
+
     def _type(self, func, args, kwargs, out, ins, values, outs, line) -> list:
         """``[(output, Value), ...]`` of one op of the model's code (raises ``Broken``)."""
         base = _name(func)
@@ -246,7 +263,11 @@ class _Typing(TorchDispatchMode):
         if all(v.replicated for v in values):
             if torch.Tag.nondeterministic_seeded in func.tags or not any(o.is_floating_point() for o in outs):
                 grads = frozenset()
-            return [(o, Value(plain(o.shape), grads=grads if o.is_floating_point() else frozenset())) for o in outs]
+            keep = grads if any(o.is_floating_point() for o in outs) else frozenset()
+            if base == "expand":  # copies: a rank may hold fewer of them (its heads' share)
+                return [(outs[0], Value(expand(values[0].dims, tuple(ins[0].shape), tuple(outs[0].shape)),
+                                        grads=keep))]
+            return [(o, Value(plain(o.shape), grads=keep if o.is_floating_point() else frozenset())) for o in outs]
         if not all(v.known for v in values):  # past a finding
             return [(o, Value(plain(o.shape), known=False)) for o in outs]
         if any(v.dtensor for v in values):  # DTensor computes it by its global meaning
@@ -482,14 +503,14 @@ class _Typing(TorchDispatchMode):
             return
         if isinstance(taken, Shard) and isinstance(now, Shard):
             return  # the dims compared by their global shapes on the ranks (the replay)
-        what = ("a partial sum (" + arrived.since + ")" if arrived.partial else
-                f"a shard ({now!r})" if now is not None else "a shard" if sharded(arrived) else "replicated")
+        what = ("a partial sum (" + arrived.since + ")" if arrived.partial else "replicated"
+                if isinstance(now, Replicate) else f"a shard ({now!r})" if now is not None else "a shard")
         self.find(label, "", (
-            f"{label} of {fqn or '<root>'!r} ({type(module).__name__}, {self.mounts[fqn].style!r}) arrives as "
-            f"{what}, and the style takes a local tensor there as {taken!r}: "
-            + ("it moves it as if every rank held the whole value, " if isinstance(taken, Replicate) else
-               "it moves it as if it were laid out so, ")
-            + "so the module computes on other numbers than one device; lay out the slot as it arrives "
+            f"arrives as {what} where its style ({self.mounts[fqn].style!r}, on {type(module).__name__}) "
+            f"takes a local tensor as {taken!r}: "
+            + ("it takes the value as if every rank held the whole of it, " if isinstance(taken, Replicate) else
+               "it takes the value as if it were laid out so, ")
+            + "and the module computes on other numbers than one device; lay out the slot as it arrives "
               f"(prepare_in({now!r}) or given=), or move it before"), where=fqn)
 
     def post(self, fqn: str, module: nn.Module, args, kwargs, out):
@@ -522,6 +543,8 @@ class _Typing(TorchDispatchMode):
             slot = mount.outputs.slots[i] if i < len(mount.outputs.slots) else None
             computed = self.value(x) if white else None
             own = kernel.output if kernel is not None and i == 0 else None
+            if own is not None:
+                own = normalize(own, x.dim())[0]
             if white and own is not None and layout_of(computed) not in (None, own) and not computed.dtensor:
                 self.find(f"output {i}", "", (
                     f"'{fqn or '<root>'}' ({type(module).__name__}) computes its output {i} as "
@@ -592,9 +615,12 @@ def typed(model: nn.Module, mounts: dict, args: tuple, kwargs: dict, n: int = 2)
 
 def expected(value: Value, shape: tuple, spaces: Spaces, n: int) -> tuple | None:
     """The local shape on rank 0 of ``n`` of a value of global ``shape`` (DTensors: global;
-    None: not known past a finding)."""
+    None: not known past a finding); a dim of copies (``expand``) is None: any number of them
+    holds the same."""
     if not value.known:
         return None
-    if value.dtensor or value.partial or not held_spaces(value.dims):
-        return tuple(shape)
-    return local_shape(value.dims, n, spaces.units)
+    found = tuple(shape) if value.dtensor or value.partial or not held_spaces(value.dims) else \
+        local_shape(value.dims, n, spaces.units)
+    if value.dtensor:
+        return found
+    return tuple(None if dim and all(t == REPEAT for _, t in dim) else size for size, dim in zip(found, value.dims))

@@ -37,6 +37,7 @@ __all__ = ["failing_module", "caller", "source", "kind", "innermost", "rank_read
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPFN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
+_PACKAGES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)  # installed: models' code
 _KINDS: dict = {}  # a code file -> "skip" (torch, Python's library), "tpfn" or "model"
 
 
@@ -45,7 +46,8 @@ def kind(filename: str) -> str:
     found = _KINDS.get(filename)
     if found is None:
         real = os.path.realpath(filename) if os.path.isabs(filename) else filename
-        found = ("skip" if real.startswith(_TORCH) or filename.startswith(_TORCH) or real.startswith(_LIBRARY)
+        library = real.startswith(_LIBRARY) and not any(d in real for d in _PACKAGES)
+        found = ("skip" if real.startswith(_TORCH) or filename.startswith(_TORCH) or library
                  or filename.startswith("<frozen") else "tpfn" if real.startswith(_TPFN) else "model")
         _KINDS[filename] = found
     return found
@@ -53,8 +55,11 @@ def kind(filename: str) -> str:
 
 def source(filename: str, line: int) -> str:
     """``'transformers/models/llama/modeling_llama.py:123'``: a source line as findings name it
-    (a path inside site-packages from the package, else as the code object names it)."""
-    return f"{filename.rpartition('site-packages' + os.sep)[2]}:{line}"
+    (a path inside site-packages from the package, one under the working directory from there,
+    else as the code object names it)."""
+    here = os.getcwd() + os.sep
+    path = filename[len(here):] if filename.startswith(here) else filename.rpartition("site-packages" + os.sep)[2]
+    return f"{path}:{line}"
 
 
 def caller(depth: int = 1) -> tuple:

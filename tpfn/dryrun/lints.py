@@ -414,20 +414,12 @@ def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
 
 
 def _meta_hint(module: nn.Module, exc: BaseException):
-    """A value read from a meta tensor (``.item()``, ``bool()``): the dry run has none."""
-    reader = _reader(exc)
-    hint = (f"{reader} reads the value of a tensor (.item(), bool(), a branch on it), but the dry "
-            "run's tensors are meta tensors, which hold no values")
-    config = vars(module).get("config")
-    if "find_packed_sequence_indices" in reader or (
-            "transformers/" in reader and getattr(config, "use_cache", None) is False):
-        return hint + (
-            "; transformers reads the position ids to find packed sequences when a model runs "
-            "without a cache and without an attention mask (use_cache=False, as for training): "
-            "pass use_cache=True with the example inputs, e.g. example_inputs={'input_ids': "
-            "(2, 8), 'use_cache': True}, which changes no collective.")
-    return hint + ("; make that value a Python number (an attribute or an argument), or leave "
-                   "out the example inputs for placements and declared layouts only.")
+    """A value read from a meta tensor (``.item()``, ``bool()``): the dry run has none where a
+    value is computed from the weights (its inputs and buffers keep theirs)."""
+    return (f"{_reader(exc)} reads the value of a tensor computed from the weights (.item(), bool(), "
+            "a branch on it), but the dry run's parameters are meta tensors, which hold no values; "
+            "make that value a Python number (an attribute or an argument), or leave out the "
+            "example inputs for placements and declared layouts only.")
 
 
 def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str,
