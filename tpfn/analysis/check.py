@@ -26,7 +26,7 @@ from tpfn.analysis.typed import typed
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
 
-__all__ = ["check", "Check"]
+__all__ = ["check", "Check", "analysed"]
 
 
 @attrs.frozen
@@ -101,7 +101,7 @@ def _wrap(text: str, width, first: str = "", rest: str = "  ") -> list:
     if width is None:
         return [first + text]
     return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest,
-                         break_long_words=False, break_on_hyphens=False) or [first]
+                         break_on_hyphens=False) or [first]
 
 
 def _world_size(world_size) -> int:
@@ -111,6 +111,14 @@ def _world_size(world_size) -> int:
         raise TypeError(f"'world_size' must be an int of at least 2 (got {world_size!r} that is a "
                         f"{type(world_size)!r}).")
     return world_size
+
+
+def analysed(model: nn.Module, plan, n: int, args: tuple, kwargs: dict) -> tuple:
+    """``(trace, findings)`` of ``plan`` on ``n`` fake ranks with the dry runs' inputs ``args`` and
+    ``kwargs`` (``tpfn.analysis.inputs.example``): one device's typed forward, then the ranks'."""
+    one = hybrid_copy(model, who="check")  # (each run its own copy: a forward may set attributes)
+    trace = typed(one, {m.fqn: m for m in resolve(plan, one)}, args, kwargs, n)
+    return trace, [*trace.findings, *on_ranks(model, plan, n, args, kwargs, trace)]
 
 
 def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = None,
@@ -143,9 +151,7 @@ def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = 
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
     n = _world_size(world_size)
     args, kwargs = example(model, example_inputs, who="check")
-    one = hybrid_copy(model, who="check")  # (each run its own copy: a forward may set attributes)
-    trace = typed(one, {m.fqn: m for m in resolve(plan, one)}, args, kwargs, n)
-    findings = [*trace.findings, *on_ranks(model, plan, n, args, kwargs, trace)]
+    trace, findings = analysed(model, plan, n, args, kwargs)
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape), str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if hasattr(x, "shape"))
     notes = tuple(f"output {i} of the model is each rank's shard ({v.dims and 'sharded'}), as the plan lays it out"

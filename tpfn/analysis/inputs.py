@@ -65,7 +65,7 @@ def example(model: nn.Module, example_inputs, who: str = "suggest") -> tuple:
 
     def make(x):
         if isinstance(x, ExampleInput):
-            x = torch.empty(x.meta({}).shape, dtype=x.dtype).requires_grad_(x.requires_grad)
+            return x.real({}, vocab, gen)
         if isinstance(x, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in x):
             return torch.randint(0, vocab, tuple(x), generator=gen)
         return real(x)

@@ -92,8 +92,9 @@ class Op:
 @attrs.define
 class Trace:
     """What ``typed`` saw: the ops, the findings, the spaces (their head sizes in ``units``),
-    the layout of each module's outputs as the ranks hold them (``{fqn: [layout, ...]}``, None
-    where no one layout says it), the model's outputs and the modules computed as one step."""
+    the layout of each module's outputs as the ranks hold them, per call (``{fqn: [[layout,
+    ...], ...]}``, None where no one layout says it), the model's outputs, the modules computed
+    as one step, and the layouts of each module's inputs as they arrive (``arrivals``)."""
 
     ops: list
     findings: list
@@ -101,6 +102,7 @@ class Trace:
     layouts: dict
     outputs: list
     trusted: set  # the modules the runtime computes by a built-in row (one step each)
+    arrivals: dict = attrs.field(factory=dict)  # {fqn: [[layout of each input], ...]}, as layouts
 
 
 def trusted(module: nn.Module, mount) -> bool:
@@ -170,6 +172,7 @@ class _Typing(TorchDispatchMode):
         self.ops: list = []
         self.findings: list = []
         self.layouts: dict = {}
+        self.arrivals: dict = {}
         self.random: list = []      # module fqns whose style draws on shards, innermost last
         self.keep: list = []        # tensors whose ids the tables use, kept alive
 
@@ -426,6 +429,8 @@ class _Typing(TorchDispatchMode):
 
     # -- modules -----------------------------------------------------------------------------
     def pre(self, fqn: str, module: nn.Module, args, kwargs):
+        if not self.inside:
+            self.arrivals.setdefault(fqn, []).append([layout_of(self.value(t)) for t in leaves((args, kwargs))])
         self.stack.append(fqn)
         mount = self.mounts.get(fqn)
         if mount is None or self.inside:
@@ -610,7 +615,7 @@ def typed(model: nn.Module, mounts: dict, args: tuple, kwargs: dict, n: int = 2)
             h.remove()
     outputs = _outputs(tracer, out, n)
     steps = {fqn for fqn, m in mounts.items() if trusted(tracer.modules[fqn], m)}
-    return Trace(tracer.ops, tracer.findings, tracer.spaces, tracer.layouts, outputs, steps)
+    return Trace(tracer.ops, tracer.findings, tracer.spaces, tracer.layouts, outputs, steps, tracer.arrivals)
 
 
 def expected(value: Value, shape: tuple, spaces: Spaces, n: int) -> tuple | None:

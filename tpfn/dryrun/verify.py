@@ -20,7 +20,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, generalize, join, within
+from tpfn.analysis.check import analysed
 from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.hybrid import real
 from tpfn.analysis.inputs import floats, split_inputs, tensors
 from tpfn.analysis.where import failing_module
 from tpfn.dryrun.forked import on_ranks
@@ -366,6 +368,40 @@ def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
                         lambda x: isinstance(x, (tuple, list)) and all(isinstance(d, int) for d in x))
 
 
+def _analysis(model: nn.Module, plan, n: int, args: tuple, kwargs: dict) -> tuple:
+    """``(trace, findings)`` of ``tpfn.check``'s analysis on these inputs (``(None, [])`` where
+    the model cannot run with its parameters on meta)."""
+    try:
+        return analysed(model, plan, n, tuple(map(real, args)), {k: real(v) for k, v in kwargs.items()})
+    except RuntimeError:
+        return None, []
+
+
+def _named(finding, model: nn.Module, mounts: dict, checks: list) -> str:
+    """The hint where the analysis names the op that computes other numbers: the module, its
+    style, its output's error here, and the finding."""
+    fqn = finding.fqn
+    style = f" ({mounts[fqn].style!r})" if fqn in mounts else ""
+    err = next((c.output for c in checks if c.fqn == fqn and c.output is not None), None)
+    measured = "" if err is None else f" (its output's relative error {err:.1e})"
+    at = f" {finding.op}" + (f" ({finding.line})" if finding.line else "")
+    return (f"{describe(model.get_submodule(fqn), fqn)}{style} computes other numbers than one "
+            f"device{measured}; tpfn.check names the op:{at}: {finding.why}")
+
+
+def _laid_out(ranks: list, trace) -> None:
+    """Each module's inputs and outputs that no style lays out, in the layouts the analysis
+    gives them (a partial sum handed on through modules outside the plan is summed)."""
+    for r in ranks:
+        for fqn, calls in r["seen"].items():
+            for i, (ins, outs) in enumerate(calls):
+                for side, known in ((ins, trace.arrivals.get(fqn, [])), (outs or [], trace.layouts.get(fqn, []))):
+                    given = known[i] if i < len(known) else []
+                    for j, (local, layout) in enumerate(side):
+                        if layout is None and j < len(given) and given[j] is not None:
+                            side[j] = (local, given[j])
+
+
 def _check_plan(model: nn.Module, plan, n: int) -> None:
     """The ``PlanError`` that ``parallelize`` raises for this plan on ``n`` ranks, if any."""
     mesh = new_fake_mesh(n)
@@ -552,6 +588,7 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
             bar: Progress) -> Verification:
     args, kwargs = _inputs(example_inputs, dtype, model, seed)
     mounts = {m.fqn: m for m in resolve(plan, model)}
+    trace, findings = _analysis(model, plan, world_size, args, kwargs)
     reference, rng = copy.deepcopy(model), torch.get_rng_state()
     ref = _run(reference, *copy.deepcopy((args, kwargs)), lambda outs: _cotangents(outs, cotangent, seed))
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
@@ -567,11 +604,19 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
         return attrs.evolve(report, failure=message, trace=trace or None)
     ranks = [results[r][1] for r in range(world_size)]
     report = attrs.evolve(report, notes=_sharded_outputs(ref, ranks))
+    if trace is not None:
+        _laid_out(ranks, trace)
     checks = _checks(model, mounts, ref, ranks)
     found = _culprit(checks, ref, ranks, tolerance)
     bar.update(1, f"{len(checks)} modules compared")
+    wrong = [f for f in findings if f.kind == "wrong"]
     if found is None:
-        return attrs.evolve(report, checks=tuple(checks))
+        told = tuple(f"tpfn.check finds, where these numbers agree: {f}" for f in wrong)
+        return attrs.evolve(report, checks=tuple(checks), notes=report.notes + told)
+    if wrong:  # the analysis names the op: the first it finds wrong
+        first = wrong[0]
+        return attrs.evolve(report, checks=tuple(checks), culprit=first.fqn,
+                            hint=_named(first, model, mounts, checks))
     fqn, err, forward = found
     partial = {} if forward else _partial_sums(ref, ranks, tolerance)
     hint = _lacking(partial, model) if partial else _hint(

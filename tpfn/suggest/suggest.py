@@ -8,9 +8,11 @@
    the trace runs again until no group breaks.
 3. Choose for each remaining linear and embedding (vocabulary-parallel embeddings, the head)
    the option of least cost (``standalone``).
-4. Run the plan on fake ranks against the trace, op by op (``check``): a group whose ranks
+4. Run the plan on fake ranks against the trace, op by op (``replay``): a group whose ranks
    would not compute their share (a view by a global head count) computes whole, and so does
-   a module whose run fails.
+   a module whose run fails; then the analysis of ``tpfn.check`` proves the plan, and a module
+   where it finds other numbers than one device's (a scale read from a local width) computes
+   its groups whole.
    That run is the dry run, forward and backward, with the collectives it issues; the plan is
    returned with notes that say why.
 """
@@ -27,7 +29,8 @@ import torch.nn as nn
 from tpfn._fqn import generalize, join, within
 from tpfn.analysis.hybrid import hybrid_copy
 from tpfn.analysis.inputs import example
-from tpfn.analysis.replay import replay
+from tpfn.analysis.check import analysed
+from tpfn.analysis.replay import Failure, replay
 from tpfn.analysis.trace import follow
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine
@@ -147,6 +150,9 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
                 h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
+        if not failed:  # the analysis: what no shape shows (a scale read from a local width)
+            failed = {f.fqn: Failure(f.why, f.fqn) for f in analysed(meta, plan, n, args, kwargs)[1]
+                      if f.kind == "wrong"}
         if not failed:
             break
         before = (len(excluded), len(whole))
