@@ -604,12 +604,16 @@ def typed(model: nn.Module, mounts: dict, args: tuple, kwargs: dict, n: int = 2)
         with Hybrid(), tracer, rank_reads(tracer.rank):
             out = model(*args, **kwargs)
     except Exception as e:
-        where = failing_module(e, model)
+        where, text = failing_module(e, model), (str(e).splitlines() or [""])[0]
+        why = ("a forward that reads its weights' values cannot run without them; give example_inputs= "
+               "it runs on, or check a plan by hand" if "meta" in text else
+               "the check compares the ranks with the model on one device: a model that runs only on "
+               "shards (a head count set to the local one by hand) has no one device's numbers; give "
+               "it its global sizes, and hold them per rank with per_rank(...) in the plan")
         raise RuntimeError(
             f"check runs one forward of {type(model).__name__} on one device with its parameters on "
-            f"the meta device, and it fails in {where or '<root>'!r}: {type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0]} (a forward that reads its weights' values cannot run "
-            "without them; give example_inputs= it runs on)") from e
+            f"the meta device, and it fails in {where or '<root>'!r}: {type(e).__name__}: {text} "
+            f"({why})") from e
     finally:
         for h in handles:
             h.remove()
