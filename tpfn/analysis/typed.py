@@ -72,7 +72,11 @@ _CARRIED = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "s
             "_to_dim_order_copy", "as_strided", "diagonal", "movedim"}
 # Ops that make a tensor of no values yet (what is written into it later decides them).
 _EMPTY = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
-_PRODUCTS = {"mul", "div", "mm", "bmm", "matmul"}   # linear in one partial operand, not in two
+_PRODUCTS = {"mul", "div", "mm", "bmm", "matmul"}
+# Ops that write values into a tensor: linear where every floating operand is a partial sum (or zeros).
+_INTO = {"index_add", "index_put", "scatter_add", "scatter", "index_copy", "masked_scatter", "copy",
+         "scatter_reduce"}
+_ZEROS = {"zeros", "zeros_like", "new_zeros", "zero"}   # linear in one partial operand, not in two
 _SUMS = {"add", "sub"}                                # linear where every tensor operand is partial
 
 
@@ -128,6 +132,15 @@ def _plain(v):
     return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
 
 
+def _zeros(func, args, kwargs) -> bool:
+    """Whether ``func`` makes a tensor of zeros (``zeros``, ``full(..., 0)``, ``fill_(0)``)."""
+    base = _name(func)
+    if base in _ZEROS:
+        return True
+    value = _arg(func, args, kwargs, "fill_value", _arg(func, args, kwargs, "value"))
+    return base in ("full", "full_like", "new_full", "fill") and isinstance(value, (int, float)) and value == 0
+
+
 def _name(func) -> str:
     name = func.overloadpacket.__name__
     return name[:-1] if name.endswith("_") and not name.startswith("_") else name
@@ -164,6 +177,7 @@ class _Typing(TorchDispatchMode):
         self.spaces = Spaces()
         self.values: dict = {}      # id -> (tensor, Value)
         self.uniforms: dict = {}    # id -> a tensor that holds one value everywhere
+        self.zeros: dict = {}       # id -> a tensor of zeros (a term of any partial sum)
         self.params = {id(p): name for name, p in model.named_parameters()}
         self.declared: set = set()  # anchors whose gradients the plan declares partial sums
         self.stack: list = []
@@ -197,6 +211,10 @@ class _Typing(TorchDispatchMode):
 
     def uniform(self, t) -> bool:
         found = self.uniforms.get(id(t))
+        return found is not None and found is t
+
+    def zero(self, t) -> bool:
+        found = self.zeros.get(id(t))
         return found is not None and found is t
 
     def input(self, t):
@@ -239,6 +257,8 @@ class _Typing(TorchDispatchMode):
             self._written(*found[0])
         if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])) or _name(func) in _EMPTY:
             self.uniforms.update((id(t), t) for t in outs)
+        if _zeros(func, args, kwargs) or ins and self.zero(ins[0]) and filled(func, True) and _name(func) != "fill":
+            self.zeros.update((id(t), t) for t in outs)
         self.keep.extend(outs)
         name = step(func)
         if name is not None:
@@ -364,11 +384,12 @@ class _Typing(TorchDispatchMode):
         if any(sharded(v) for v in values):
             raise Wrong(f"{base} meets a partial sum ({since}) with a shard of another value: no layout on "
                         "the ranks is their combination")
-        parts = [v.partial for v in values]
+        parts = [v.partial or self.zero(t) for t, v in zip(ins, values)]
         numbers = [a for a in list(args[1:]) + list(kwargs.values())
                    if isinstance(a, (int, float)) and not isinstance(a, bool)]
         nonzero = [a for a in numbers if a != 0]
-        ok = base in _CARRIED and (base not in ("mm", "bmm", "matmul") or sum(parts) == 1)
+        ok = base in _CARRIED and (base not in ("mm", "bmm", "matmul") or sum(parts) == 1) or (
+            base in _INTO and all(parts[i] for i, t in enumerate(ins) if t.is_floating_point()))
         if base in ("masked_fill", "fill", "constant_pad_nd") and nonzero:
             ok = False
         if base == "where" and sum(parts) < len([t for t in ins if t.dtype.is_floating_point]):
