@@ -23,10 +23,11 @@ from tpfn.analysis.hybrid import hybrid_copy
 from tpfn.analysis.inputs import example
 from tpfn.analysis.ranks import on_ranks
 from tpfn.analysis.typed import typed
+from tpfn.errors import PlanError
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
 
-__all__ = ["check", "Check", "analysed"]
+__all__ = ["check", "Check", "analysed", "prove"]
 
 
 @attrs.frozen
@@ -66,7 +67,7 @@ class Check:
             raise ValueError(f"'width' must be None or an int of at least 40 columns (got {width!r}).")
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
         lines = _wrap(f"tpfn.check on {self.world_size} ranks: one forward and backward of "
-                      f"{shown or 'no inputs'}; {self.ops} ops of the model's code", width)
+                      f"{shown or 'no inputs'}; {self.ops} op{'s' * (self.ops != 1)} of the model's code", width)
         wrong, unproven = once(self.wrong), once(self.unproven)
         if self.ok:
             lines += _wrap("ok: every op computes one device's numbers on the ranks", width)
@@ -159,3 +160,23 @@ def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = 
                   and not v.dtensor)
     layouts = tuple((fqn, tuple(calls[0])) for fqn, calls in trace.layouts.items())
     return Check(n, shown, tuple(findings), len(trace.ops), layouts, notes)
+
+
+def prove(model: nn.Module, plan, world_size: int, example_inputs: object = None) -> Check:
+    """``check``, its findings raised as one ``PlanError`` (each finding a problem, repeated
+    blocks once): what ``parallelize(..., check=True)`` runs before it changes anything.
+
+    >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4), nn.ReLU())
+    >>> prove(mlp, {"0": colwise(), "2": rowwise()}, 2, torch.ones(2, 4)).ok
+    True
+    >>> prove(mlp, {"0": colwise(), "2": rowwise() >> prepare_out(Partial())}, 2, torch.ones(2, 4))
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tpfn.errors.PlanError: the plan cannot be applied (1 problem):
+      - '3' aten.relu.default (torch/nn/modules/activation.py:...): relu of a partial sum (output 0 of '2'): ...
+    """
+    found = check(model, plan, world_size, example_inputs)
+    if not found.ok:
+        raise PlanError([_item(f, k) for f, k in once(found.findings)])
+    return found

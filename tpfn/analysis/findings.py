@@ -36,8 +36,8 @@ class Finding:
     kind: str = "wrong"
 
     def __str__(self) -> str:
-        line = f" ({self.line})" if self.line else ""
-        return f"{self.fqn or '<root>'!r} {self.op}{line}: {self.why}"
+        where = " ".join(x for x in (repr(self.fqn or "<root>"), self.op, f"({self.line})" if self.line else "") if x)
+        return f"{where}: {self.why}"
 
     def to_dict(self) -> dict:
         return {"module": self.fqn, "op": self.op, "line": self.line, "why": self.why, "kind": self.kind}

@@ -175,7 +175,7 @@ class _Ranks(TorchDispatchMode):
         if differ and not sizes_only:
             k, v, w = differ[0]
             self.find(func, seen, (
-                f"{func} gets {k}={v!r} on a rank where one device gets {w!r}: a value read from a "
+                f"takes {k}={v!r} on a rank where one device takes {w!r}: a value read from a "
                 f"local shape (a shard's size, x.shape[-1] on the rank's features) or from the rank, "
                 "where one device reads the whole one; read it from the module's configuration (or "
                 "hold it per rank with per_rank(...) where it is a size the shard has)"))
@@ -248,7 +248,7 @@ def watch(model: nn.Module, trace, n: int) -> _Ranks:
         pre = functools.partial(_pre, mode, fqn)
         post = functools.partial(_post, mode, fqn)
         pre.observes_only = post.observes_only = True
-        module.register_forward_pre_hook(pre)
+        module.register_forward_pre_hook(pre, prepend=True)  # (before a hook that refuses the call)
         module.register_forward_hook(post, always_call=True)
     return mode
 
@@ -265,9 +265,10 @@ def failed(mode: _Ranks, model: nn.Module, exc: BaseException, phase: str) -> No
     """A finding for a run that failed on the rank's shards (unless one found before explains it)."""
     where = failing_module(exc, model) or ""
     if not any(within(f.fqn, where) or within(where, f.fqn) for f in mode.findings):
+        said = getattr(exc, "problems", None) or str(exc).splitlines() or [""]
         mode.findings.append(Finding(where, "", innermost(exc), (
             f"the {phase} fails on a rank's shards in {describe(model.get_submodule(where), where)}: "
-            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")))
+            f"{type(exc).__name__}: {said[0]}")))
 
 
 def on_ranks(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, trace) -> list:
