@@ -6,8 +6,9 @@ tensors such a read fails. ``hybrid_copy(module)`` copies a module with every pa
 meta (no memory, ties kept) and its buffers and tensor attributes real, on the CPU; under
 ``Hybrid()`` an op that meets a meta tensor runs on meta (its real arguments moved there), and
 one on real tensors alone computes for real. So the ids, masks and positions a forward
-derives from its inputs keep their values, and everything the weights touch is a shape.
-Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
+derives from its inputs keep their values, and everything the weights touch is a shape (a
+tensor of more than ``LARGEST`` elements made for a meta one, a long sequence's causal mask,
+stays a shape too). Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
 A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from then on, and
 counts as meta wherever it is read.
 
@@ -35,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from tpfn._fqn import join
 from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
 
-__all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real"]
+__all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real", "LARGEST"]
 
 _GROUPED_MM = grouped_mm_op()
 
@@ -103,6 +104,7 @@ def _to_meta(x):
 
 # Ops whose values do not depend on their tensor argument's: made real where it is meta (a mask
 # of ones shaped like the embeddings). Uninitialized ones stay meta: a forward fills them.
+LARGEST = 1 << 22  # the most elements a tensor made on meta's behalf is made real with (4M)
 _SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
 
 
@@ -127,6 +129,9 @@ class Hybrid(TorchDispatchMode):
         meta = self.values and str(kwargs.get("device")) == "meta" or self.values and (
             name in _SHAPED and "device" not in kwargs and found and found[0].is_meta)
         if meta and (not found or name in _SHAPED):  # arange(n, device=x.device), x.new_ones(...)
+            out = func(*args, **kwargs)
+            if out.numel() > LARGEST:  # (a causal mask of long sequences: a shape, not values)
+                return out
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return out.zero_() if "empty" in name else out
         if name == "_to_copy" and found and (found[0].is_meta or meta):  # .to(device): stays as it is

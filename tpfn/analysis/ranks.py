@@ -193,15 +193,18 @@ class _Ranks(TorchDispatchMode):
                 "it splits; split by the local size (held with per_rank(...) in the module's style), or "
                 "with chunk(...)"))
         else:
-            self.find(func, seen, (
-                f"computes {func} of shape {got} on a rank where its share of one device's {shape} is "
-                f"{want}: it reads a local size where one device reads the whole"))
+            named = self._counts(got, want, given)
+            by = (f" by {named}, a count that is the global one" if named else
+                  ": it reads a local size where one device reads the whole")
+            self.find(func, seen, f"computes {func} of shape {got} on a rank where its share of one device's "
+                                  f"{shape} is {want}{by}")
         return False
 
     def _counts(self, got: tuple, want: tuple, given: tuple) -> str:
         """``'self.n_head = 4'`` (or ``'config.num_heads = 4'``): an int attribute of the module
         (or of its config) that a view's wrong size is, where one is."""
-        sizes = [a for a in (given[1] if len(given) > 1 else ()) if isinstance(a, int)] if given else []
+        sizes = [a for x in given[1:] for a in (x if isinstance(x, (list, tuple)) else [x])
+                 if type(a) is int]
         wrong = {g for g, w in zip(got, want) if g != w} & set(sizes)
         module = self.modules.get(self.where)
         for holder, prefix in ((module, "self."), (getattr(module, "config", None), "config.")):

@@ -55,7 +55,7 @@ from tpfn.analysis.hybrid import Hybrid
 from tpfn.analysis.inputs import tensors as leaves
 from tpfn.analysis.rules import carry, filled, step, tensors
 from tpfn.analysis.spaces import Spaces
-from tpfn.analysis.values import REPLICATED, Value, layout_of, sharded, value_of
+from tpfn.analysis.values import Value, layout_of, sharded, value_of
 from tpfn.analysis.where import caller, failing_module, rank_reads
 from tpfn.layout import Partial, Replicate, Shard, normalize
 from tpfn.style.stages import Core
@@ -72,19 +72,19 @@ _CARRIED = {"view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "s
             "_to_dim_order_copy", "as_strided", "diagonal", "movedim"}
 # Ops that make a tensor of no values yet (what is written into it later decides them).
 _EMPTY = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
-_PRODUCTS = {"mul", "div", "mm", "bmm", "matmul"}
+_PRODUCTS = {"mul", "div", "mm", "bmm", "matmul"}    # linear in one partial operand, not in two
+_SUMS = {"add", "sub"}                                # linear where every tensor operand is partial
 # Ops that write values into a tensor: linear where every floating operand is a partial sum (or zeros).
 _INTO = {"index_add", "index_put", "scatter_add", "scatter", "index_copy", "masked_scatter", "copy",
          "scatter_reduce"}
-_ZEROS = {"zeros", "zeros_like", "new_zeros", "zero"}   # linear in one partial operand, not in two
-_SUMS = {"add", "sub"}                                # linear where every tensor operand is partial
+_ZEROS = {"zeros", "zeros_like", "new_zeros", "zero"}  # ops that make zeros, a term of any partial sum
 
 
 @attrs.frozen
 class Op:
     """One op of the model's own code as one device ran it: the op (``tpfn.analysis.rules.step``),
-    the module whose code ran it, the source line, its arguments (``arguments``) and each
-    output's global shape and ``Value``."""
+    the module whose code ran it, the source line, its arguments (``arguments``) and, per
+    output, ``(global shape, Value, uniform)`` (uniform: one value everywhere, or none yet)."""
 
     op: str
     where: str
@@ -105,8 +105,8 @@ class Trace:
     spaces: Spaces
     layouts: dict
     outputs: list
-    trusted: set  # the modules the runtime computes by a built-in row (one step each)
-    arrivals: dict = attrs.field(factory=dict)  # {fqn: [[layout of each input], ...]}, as layouts
+    trusted: set    # the modules the runtime computes by a built-in row (one step each)
+    arrivals: dict  # {fqn: [[layout of each input], ...]}, as layouts are
 
 
 def trusted(module: nn.Module, mount) -> bool:
@@ -251,6 +251,10 @@ class _Typing(TorchDispatchMode):
                 f"{func} takes a sharded value, and no rule of the check says how it treats one: "
                 "it cannot prove what it computes"), "unproven" if unknown else "wrong")
             found = [(o, Value(plain(o.shape), known=False)) for o in outs]
+        except Exception as e:  # noqa: BLE001 - a rule that cannot follow the op: unproven, named
+            self.find(str(func), line, f"the check's rules cannot follow {func} on these values "
+                      f"({type(e).__name__}: {e}): it cannot prove what it computes", "unproven")
+            found = [(o, Value(plain(o.shape), known=False)) for o in outs]
         for t, value in found:
             self.set(t, value)
         if func.overloadpacket.__name__.endswith("_") and found:
@@ -282,15 +286,13 @@ class _Typing(TorchDispatchMode):
     def _type(self, func, args, kwargs, out, ins, values, outs, line) -> list:
         """``[(output, Value), ...]`` of one op of the model's code (raises ``Broken``)."""
         base = _name(func)
-        grads = frozenset().union(*(v.grads for v in values if v.replicated))
-        if all(v.replicated for v in values):
-            if torch.Tag.nondeterministic_seeded in func.tags or not any(o.is_floating_point() for o in outs):
-                grads = frozenset()
-            keep = grads if any(o.is_floating_point() for o in outs) else frozenset()
+        if all(v.replicated for v in values):  # a gradient reaches what its floating outputs came from
+            drawn = torch.Tag.nondeterministic_seeded in func.tags
+            grads = frozenset() if drawn else frozenset().union(*(v.grads for v in values))
             if base == "expand":  # copies: a rank may hold fewer of them (its heads' share)
                 return [(outs[0], Value(expand(values[0].dims, tuple(ins[0].shape), tuple(outs[0].shape)),
-                                        grads=keep))]
-            return [(o, Value(plain(o.shape), grads=keep if o.is_floating_point() else frozenset())) for o in outs]
+                                        grads=grads))]
+            return [(o, Value(plain(o.shape), grads=grads if o.is_floating_point() else frozenset())) for o in outs]
         if not all(v.known for v in values):  # past a finding
             return [(o, Value(plain(o.shape), known=False)) for o in outs]
         if any(v.dtensor for v in values):  # DTensor computes it by its global meaning

@@ -29,7 +29,7 @@ import attrs
 from tpfn.analysis.factors import form, plain, spaces as held_spaces, tag
 from tpfn.layout import Partial, Replicate, Shard
 
-__all__ = ["Value", "REPLICATED", "value_of", "layout_of", "sharded"]
+__all__ = ["Value", "value_of", "layout_of", "sharded"]
 
 
 @attrs.frozen
@@ -47,8 +47,6 @@ class Value:
     def replicated(self) -> bool:
         return self.known and not self.partial and not self.dtensor and not held_spaces(self.dims)
 
-
-REPLICATED = Value(())
 
 
 def sharded(value: Value | None) -> bool:

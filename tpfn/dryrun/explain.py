@@ -271,7 +271,7 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     rows = _rows(model, shown, n)
     trace = None if module is None or n == 1 else _traced(module, plan, n, inputs)
     # the warnings: the analysis' findings where it ran, else what the names of attributes say
-    wrong = _lints(trace.findings) if trace is not None else [
+    wrong = [*_lints(trace.findings), *lint.ratios(model, n, mounts, symbol)] if trace is not None else [
         *lint.head_counts(model, n, mounts, symbol), *lint.fused(model, n, mounts)]
     notes = [*lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)

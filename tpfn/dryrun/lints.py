@@ -42,7 +42,7 @@ from tpfn.layout import Shard
 from tpfn.plans.refusals import linear_width, local_colwise, once, part_widths, projected_heads
 from tpfn.style.constructors import per_rank
 
-__all__ = ["uneven", "replicated_heads", "head_counts", "fused", "siblings", "failure",
+__all__ = ["uneven", "replicated_heads", "head_counts", "ratios", "fused", "siblings", "failure",
            "local_colwise", "named_ranks"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
@@ -224,6 +224,19 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 else:
                     continue
                 found.append((generalize(fqn) + "." + attr, start + problem))
+    return once(found)
+
+
+def ratios(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
+    """The query heads per KV head of the whole model held where KV heads are replicated over
+    groups of ranks (``_ratios``), for every module: a warning beside the analysis' findings,
+    whose sentence names the ratio and its fix."""
+    found = []
+    for fqn, sub in module.named_modules():
+        children = _local_children(sub, fqn, mounts)
+        if children and world_size > 1:
+            local_here = {path for path, _ in getattr(mounts.get(fqn), "sizes", ())}
+            found += _ratios(sub, fqn, world_size, {name: core for name, _, core in children}, shown, local_here)
     return once(found)
 
 

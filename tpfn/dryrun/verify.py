@@ -613,12 +613,12 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
     if found is None:
         told = tuple(f"tpfn.check finds, where these numbers agree: {f}" for f in wrong)
         return attrs.evolve(report, checks=tuple(checks), notes=report.notes + told)
-    if wrong:  # the analysis names the op: the first it finds wrong
+    fqn, err, forward = found
+    partial = {} if forward else _partial_sums(ref, ranks, tolerance)
+    if wrong and not partial:  # the analysis names the op: the first it finds wrong
         first = wrong[0]
         return attrs.evolve(report, checks=tuple(checks), culprit=first.fqn,
                             hint=_named(first, model, mounts, checks))
-    fqn, err, forward = found
-    partial = {} if forward else _partial_sums(ref, ranks, tolerance)
     hint = _lacking(partial, model) if partial else _hint(
         fqn, model.get_submodule(fqn), mounts, world_size, err, forward)
     return attrs.evolve(report, checks=tuple(checks), culprit=list(partial)[-1] if partial else fqn,
