@@ -43,6 +43,8 @@ arguments, where and at which line), the findings, and the layout of each module
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import torch
 import torch.nn as nn
@@ -56,7 +58,7 @@ from tpfn.analysis.inputs import tensors as leaves
 from tpfn.analysis.rules import carry, filled, step, tensors
 from tpfn.analysis.spaces import Spaces
 from tpfn.analysis.values import Value, layout_of, sharded, value_of
-from tpfn.analysis.where import caller, failing_module, rank_reads
+from tpfn.analysis.where import asks_rank, caller, failing_module, rank_reads
 from tpfn.layout import Partial, Replicate, Shard, normalize
 from tpfn.style.stages import Core
 
@@ -442,9 +444,10 @@ class _Typing(TorchDispatchMode):
         return (f"{why}{at}: each rank computes it on its own part alone, so it differs from what one "
                 "device computes on the whole")
 
-    def rank(self, what: str, line: str) -> None:
+    def rank(self, what: str, line: str, module) -> None:
         """The model's code asks for its rank (or whether it runs on ranks)."""
-        self.find(what, line, (
+        where = next((fqn for fqn, m in self.modules.items() if m is module), "")
+        self.find(what, line, where=where, why=(
             f"reads {what}: a value or a branch on it differs from rank to rank (and between the "
             "ranks and one device), where the plan's ranks each compute their part of one device's "
             "computation; a plan needs no rank in the model's code (tpfn's styles slice and sum by "
@@ -623,8 +626,9 @@ def typed(model: nn.Module, mounts: dict, args: tuple, kwargs: dict, n: int = 2)
     for x in [*args, *kwargs.values()]:
         if isinstance(x, torch.Tensor) and x.requires_grad:
             tracer.set(x, Value(plain(x.shape), grads=frozenset({"the model's input"})))
+    reads = rank_reads(tracer.rank) if asks_rank(model) else contextlib.nullcontext()
     try:
-        with Hybrid(), tracer, rank_reads(tracer.rank):
+        with Hybrid(), tracer, reads:
             out = model(*args, **kwargs)
     except Exception as e:
         where, text = failing_module(e, model), (str(e).splitlines() or [""])[0]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["failing_module", "caller", "source", "kind", "innermost", "rank_reads"]
+__all__ = ["failing_module", "caller", "source", "kind", "innermost", "rank_reads", "asks_rank"]
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPFN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -112,10 +112,38 @@ _RANK = {inspect.unwrap(f).__code__: name for f, name in (
     (DeviceMesh.get_coordinate, "DeviceMesh.get_coordinate()"), (DeviceMesh.get_rank, "DeviceMesh.get_rank()"))}
 
 
+_ASKS = {code.co_name for code in _RANK}
+
+
+def asks_rank(model: nn.Module) -> bool:
+    """Whether the code of the Python modules that define ``model``'s modules names a function
+    of ``rank_reads``'s: whether a run should watch for the rank's reads (a profiler slows every
+    call, so only then)."""
+    sources = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
+    return any(_ASKS & names for source in sources for names in _names(source))
+
+
+def _names(source) -> list:
+    """The names each code object of a Python module's functions and classes uses (nested too)."""
+    found, codes = [], []
+    for value in vars(source).values():
+        for f in (vars(value).values() if isinstance(value, type) else (value,)):
+            f = getattr(f, "__func__", f)
+            code = getattr(inspect.unwrap(f) if callable(f) else f, "__code__", None)
+            if code is not None and code.co_filename == getattr(source, "__file__", None):
+                codes.append(code)
+    while codes:
+        code = codes.pop()
+        found.append(set(code.co_names))
+        codes.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return found
+
+
 @contextlib.contextmanager
 def rank_reads(seen):
-    """While entered, ``seen(what, line)`` where the model's code (on this thread) calls a
-    function that tells its rank, or whether it runs on ranks."""
+    """While entered, ``seen(what, line, module)`` where the model's code (on this thread)
+    calls a function that tells its rank, or whether it runs on ranks (``module``: the
+    ``self`` of the calling frame, or None)."""
     before = sys.getprofile()
 
     def profile(frame, event, arg):
@@ -124,7 +152,8 @@ def rank_reads(seen):
         if event == "call" and frame.f_code in _RANK and frame.f_back is not None:
             back = frame.f_back.f_code
             if kind(back.co_filename) == "model":
-                seen(_RANK[frame.f_code], source(back.co_filename, frame.f_back.f_lineno))
+                seen(_RANK[frame.f_code], source(back.co_filename, frame.f_back.f_lineno),
+                     frame.f_back.f_locals.get("self"))
 
     sys.setprofile(profile)
     try:
