@@ -116,21 +116,26 @@ _ASKS = {code.co_name for code in _RANK}
 
 
 def asks_rank(model: nn.Module) -> bool:
-    """Whether the code of the Python modules that define ``model``'s modules names a function
-    of ``rank_reads``'s: whether a run should watch for the rank's reads (a profiler slows every
-    call, so only then)."""
-    sources = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
-    return any(_ASKS & names for source in sources for names in _names(source))
+    """Whether the code beside ``model``'s modules' forwards (the functions and classes defined
+    in the file and namespace each forward was) names a function of ``rank_reads``'s: whether a
+    run should watch for the rank's reads (a profiler slows every call, so only then)."""
+    spaces = {}
+    for kind_ in {type(m) for m in model.modules()}:
+        f = inspect.unwrap(kind_.forward)
+        code = getattr(f, "__code__", None)
+        if code is not None and kind(code.co_filename) == "model":
+            spaces[id(f.__globals__), code.co_filename] = f.__globals__
+    return any(_ASKS & names for (_, file), space in spaces.items() for names in _names(space, file))
 
 
-def _names(source) -> list:
-    """The names each code object of a Python module's functions and classes uses (nested too)."""
+def _names(space: dict, file: str) -> list:
+    """The names each code object of ``file`` in a namespace (its functions, its classes'
+    methods, nested ones) uses."""
     found, codes = [], []
-    for value in vars(source).values():
+    for value in list(space.values()):
         for f in (vars(value).values() if isinstance(value, type) else (value,)):
-            f = getattr(f, "__func__", f)
-            code = getattr(inspect.unwrap(f) if callable(f) else f, "__code__", None)
-            if code is not None and code.co_filename == getattr(source, "__file__", None):
+            code = getattr(getattr(f, "__func__", f), "__code__", None)
+            if code is not None and code.co_filename == file:
                 codes.append(code)
     while codes:
         code = codes.pop()
