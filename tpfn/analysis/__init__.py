@@ -1,3 +1,4 @@
-"""The analysis below the tools: one traced forward with parameters on meta and inputs real,
-how each ATen op carries sharded dims (its rules), and a plan replayed on fake ranks op by
-op. ``tpfn.explain``, ``tpfn.verify`` and ``tpfn.suggest`` read it."""
+"""The analysis below the tools: dry runs with parameters on meta and inputs real, one
+traced forward and how each ATen op carries sharded dims (its rules), a plan replayed on fake
+ranks op by op, and ``check``, which proves a plan that way. ``tpfn.explain``, ``tpfn.verify``
+and ``tpfn.suggest`` read it."""

@@ -23,6 +23,7 @@ from tpfn.analysis.hybrid import hybrid_copy
 from tpfn.analysis.inputs import example
 from tpfn.analysis.ranks import on_ranks
 from tpfn.analysis.typed import typed
+from tpfn.analysis.values import layout_of, sharded
 from tpfn.errors import PlanError
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
@@ -155,9 +156,9 @@ def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = 
     trace, findings = analysed(model, plan, n, args, kwargs)
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape), str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if hasattr(x, "shape"))
-    notes = tuple(f"output {i} of the model is each rank's shard ({v.dims and 'sharded'}), as the plan lays it out"
-                  for i, (_, v) in enumerate(trace.outputs) if v.known and not v.replicated and not v.partial
-                  and not v.dtensor)
+    notes = tuple(f"output {i} of the model is each rank's shard ({layout_of(v)!r}), as the plan lays it out: "
+                  "a loss taken on it as it is sees a part of it"
+                  for i, (_, v) in enumerate(trace.outputs) if sharded(v))
     layouts = tuple((fqn, tuple(calls[0])) for fqn, calls in trace.layouts.items())
     return Check(n, shown, tuple(findings), len(trace.ops), layouts, notes)
 
