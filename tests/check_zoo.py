@@ -111,7 +111,8 @@ def heads_by_head_size():
 
 @right
 def heads_held_per_rank():
-    return Attention("attribute"), {**ATTENTION, "": prepare_in(Replicate(), local=True) >> per_rank("n_head")}, (x(),)
+    held = {**ATTENTION, "": prepare_in(Replicate(), local=True) >> per_rank("n_head")}
+    return Attention("attribute"), held, (x(),)
 
 
 @right

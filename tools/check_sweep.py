@@ -95,9 +95,9 @@ def main() -> None:
         for i, name in enumerate(names):
             found.append(one(name, which))
             f = found[-1]
+            said = [*(x[:300] for x in f["findings"][:3]), *([f["why"]] if "why" in f else [])]
             print(f"[{which} {i + 1}/{len(names)}] {name}: {f['outcome']} {f.get('seconds', '')}"
-                  + "".join(f"\n    {x[:300]}" for x in f["findings"][:3]) + (f"\n    {f['why']}" if "why" in f else ""),
-                  file=sys.stderr, flush=True)
+                  + "".join(f"\n    {x}" for x in said), file=sys.stderr, flush=True)
     print(summary(found))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:

@@ -154,7 +154,8 @@ def check(model: nn.Module, plan: Plan | dict | Style, world_size: int | None = 
     n = _world_size(world_size)
     args, kwargs = example(model, example_inputs, who="check")
     trace, findings = analysed(model, plan, n, args, kwargs)
-    shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape), str(x.dtype).removeprefix("torch."))
+    shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
+                   str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if hasattr(x, "shape"))
     notes = tuple(f"output {i} of the model is each rank's shard ({layout_of(v)!r}), as the plan lays it out: "
                   "a loss taken on it as it is sees a part of it"

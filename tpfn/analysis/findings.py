@@ -36,7 +36,8 @@ class Finding:
     kind: str = "wrong"
 
     def __str__(self) -> str:
-        where = " ".join(x for x in (repr(self.fqn or "<root>"), self.op, f"({self.line})" if self.line else "") if x)
+        line = f"({self.line})" if self.line else ""
+        where = " ".join(x for x in (repr(self.fqn or "<root>"), self.op, line) if x)
         return f"{where}: {self.why}"
 
     def to_dict(self) -> dict:

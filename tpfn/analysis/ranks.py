@@ -100,7 +100,8 @@ class _Ranks(TorchDispatchMode):
                 "rank), so what follows is not one device's computation")))
             self.done = True
             return out
-        if not any(self._off(t) for t in outs) and not self._compare(func, seen, arguments(func, args, kwargs), outs, args):
+        given = arguments(func, args, kwargs)
+        if not any(self._off(t) for t in outs) and not self._compare(func, seen, given, outs, args):
             self.off.update((id(t), t) for t in outs)
         return out
 

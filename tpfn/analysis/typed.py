@@ -125,7 +125,8 @@ def arguments(func, args: tuple, kwargs: dict) -> tuple:
     """``((name, value), ...)``: the op's arguments that are no tensors, by their schema names."""
     names = argument_names(func)
     pairs = [*zip(names, args), *kwargs.items()]
-    return tuple((n, _plain(v)) for n, v in pairs if not tensors(v) and n not in ("device", "pin_memory", "layout"))
+    return tuple((n, _plain(v)) for n, v in pairs
+                 if not tensors(v) and n not in ("device", "pin_memory", "layout"))
 
 
 def _plain(v):
@@ -263,7 +264,8 @@ class _Typing(TorchDispatchMode):
             self._written(*found[0])
         if filled(func, bool(ins) and all(self.uniform(t) for t in ins[:1])) or _name(func) in _EMPTY:
             self.uniforms.update((id(t), t) for t in outs)
-        if _zeros(func, args, kwargs) or ins and self.zero(ins[0]) and filled(func, True) and _name(func) != "fill":
+        if _zeros(func, args, kwargs) or (ins and self.zero(ins[0]) and filled(func, True)
+                                          and _name(func) != "fill"):
             self.zeros.update((id(t), t) for t in outs)
         self.keep.extend(outs)
         name = step(func)
@@ -294,7 +296,8 @@ class _Typing(TorchDispatchMode):
             if base == "expand":  # copies: a rank may hold fewer of them (its heads' share)
                 return [(outs[0], Value(expand(values[0].dims, tuple(ins[0].shape), tuple(outs[0].shape)),
                                         grads=grads))]
-            return [(o, Value(plain(o.shape), grads=grads if o.is_floating_point() else frozenset())) for o in outs]
+            return [(o, Value(plain(o.shape), grads=grads if o.is_floating_point() else frozenset()))
+                    for o in outs]
         if not all(v.known for v in values):  # past a finding
             return [(o, Value(plain(o.shape), known=False)) for o in outs]
         if any(v.dtensor for v in values):  # DTensor computes it by its global meaning
@@ -588,7 +591,8 @@ class _Typing(TorchDispatchMode):
                     self.set(x, Value(plain(x.shape), dtensor=True))
                 continue
             dtensor = not mount.outputs.local
-            grads = {f"the output of {fqn or '<root>'!r}"} if x.requires_grad and isinstance(layout, Replicate) else ()
+            whole = x.requires_grad and isinstance(layout, Replicate)
+            grads = {f"the output of {fqn or '<root>'!r}"} if whole else ()
             self.set(x, value_of(layout, tuple(x.shape), self.spaces, f"output {i} of {fqn!r}", dtensor=dtensor,
                                  grads=grads))
         self._note(fqn, out)
@@ -659,4 +663,5 @@ def expected(value: Value, shape: tuple, spaces: Spaces, n: int) -> tuple | None
         local_shape(value.dims, n, spaces.units)
     if value.dtensor:
         return found
-    return tuple(None if dim and all(t == REPEAT for _, t in dim) else size for size, dim in zip(found, value.dims))
+    return tuple(None if dim and all(t == REPEAT for _, t in dim) else size
+                 for size, dim in zip(found, value.dims))

@@ -276,8 +276,9 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     notes = [*lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
     ranks = None if trace is None else watch(model, trace, n)
-    comms, seen, slots, kept, work = _run(model, mounts, [*wrong, *notes], n, inputs, values,
-                                          blocks[0] if blocks else None, ranks) if ran else ([], {}, None, None, ())
+    block = blocks[0] if blocks else None
+    comms, seen, slots, kept, work = _run(model, mounts, [*wrong, *notes], n, inputs, values, block,
+                                          ranks) if ran else ([], {}, None, None, ())
     if ranks is not None:
         wrong += [w for w in _lints(ranks.findings) if w not in wrong]
     lints = [*wrong, *notes]
