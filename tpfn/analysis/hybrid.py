@@ -31,7 +31,9 @@ import itertools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 from tpfn._fqn import join
 from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
@@ -108,6 +110,25 @@ LARGEST = 1 << 22  # the most elements a tensor made on meta's behalf is made re
 _SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
 
 
+class _Whole(TorchFunctionMode):
+    """An attention of meta queries, keys and values computes on meta throughout: the masks
+    torch builds inside it (a causal one) hold no value of the model's."""
+
+    def __init__(self, hybrid: "Hybrid"):
+        super().__init__()
+        self.hybrid = hybrid
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not any(t.is_meta for t in _tensors(args)[:3]):
+            return func(*args, **kwargs)
+        values, self.hybrid.values = self.hybrid.values, False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.hybrid.values = values
+
+
 class Hybrid(TorchDispatchMode):
     """Ops that meet a meta tensor run on meta; the others compute (see the module docstring).
     ``values``: make new tensors real (True in a forward; the backward's own are meta)."""
@@ -116,6 +137,17 @@ class Hybrid(TorchDispatchMode):
         super().__init__()
         self.values = True
         self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
+        self.whole = _Whole(self)
+
+    def __enter__(self):
+        self.whole.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.whole.__exit__(*exc)
 
     def _meta(self, t: torch.Tensor) -> bool:
         if t.is_meta or isinstance(t, DTensor):  # (a DTensor's values are its local tensor's)

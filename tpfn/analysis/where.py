@@ -38,17 +38,20 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPFN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY = tuple(os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
 _PACKAGES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)  # installed: models' code
+_HYBRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid.py")  # runs ops for their caller
 _KINDS: dict = {}  # a code file -> "skip" (torch, Python's library), "tpfn" or "model"
 
 
 def kind(filename: str) -> str:
-    """``"skip"`` (torch, Python's library), ``"tpfn"`` or ``"model"``: whose code a file is."""
+    """``"skip"`` (torch, Python's library, the dry runs' modes that run an op for its caller),
+    ``"tpfn"`` or ``"model"``: whose code a file is."""
     found = _KINDS.get(filename)
     if found is None:
         real = os.path.realpath(filename) if os.path.isabs(filename) else filename
         library = real.startswith(_LIBRARY) and not any(d in real for d in _PACKAGES)
         found = ("skip" if real.startswith(_TORCH) or filename.startswith(_TORCH) or library
-                 or filename.startswith("<frozen") else "tpfn" if real.startswith(_TPFN) else "model")
+                 or filename.startswith("<frozen") or real == _HYBRID else
+                 "tpfn" if real.startswith(_TPFN) else "model")
         _KINDS[filename] = found
     return found
 
