@@ -562,3 +562,9 @@ def forget_default_group() -> None:
 
     _SET_ASIDE.append(c10d._world)
     c10d._world = c10d._World()
+
+
+def meta_like(dt: DTensor) -> DTensor:
+    """A DTensor laid out as ``dt`` whose local tensor is a meta tensor of its local shape (a dry
+    run that keeps real values where it can meets a DTensor of real values, ``tpfn.analysis.hybrid``)."""
+    return DTensor(dt._local_tensor.to("meta"), dt._spec, requires_grad=dt.requires_grad)

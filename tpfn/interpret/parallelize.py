@@ -47,7 +47,7 @@ from tpfn.plans.plan import Plan, resolve
 from tpfn.plans.refusals import refusals, tied_outside
 from tpfn.style.style import Style
 
-__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST"]
+__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST", "PROOFS"]
 
 log = logging.getLogger("tpfn")
 
@@ -55,6 +55,11 @@ FAST: dict = {}
 """The fast kernels by the name a row gives them (``Meaning.fast``): ``call(c)`` computes the call
 ``c`` (a ``tpfn.interpret.reference.Call``), or returns None for the reference route to compute
 it. ``tpfn.kernels`` registers them."""
+
+PROOFS: dict = {}
+"""What proves a plan before ``parallelize(..., check=...)`` changes anything:
+``PROOFS["check"](module, plan, world_size, example_inputs)`` raises its findings as one
+``PlanError`` (``tpfn.analysis`` registers ``tpfn.check``'s ``prove``)."""
 
 _STREAMS = itertools.count()  # numbers the bound modules' random streams, in the order they are bound
 _CALLS = threading.local()  # how many bound modules' calls this thread is inside
@@ -234,7 +239,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
                 *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True,
-                timeout: float | None = None) -> nn.Module:
+                timeout: float | None = None, check: object = False) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -256,6 +261,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     fails or passes it raises a ``CollectiveError`` naming it, its slot and the ranks that had not
     reached it, and an error raised in a bound module stops the ranks waiting for this one at once
     (``tpfn.bounded``; docs/errors.md).
+
+    ``check``: ``True``, or the example inputs of one forward, proves the plan first, op by op
+    on fake ranks (``tpfn.check``): its findings are problems of the ``PlanError`` below.
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -279,6 +287,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
                         "or one style for the module itself (PyTorch plans: tpfn.from_torch(plan)).")
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
+    if check is not False:
+        PROOFS["check"](module, plan, mesh.size(), None if check is True else check)
     state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)))
     try:
         return _parallelize(module, mesh, plan, src_rank, overlap, kernels, state)
