@@ -89,7 +89,7 @@ def with_suggest(model: nn.Module, mesh, inputs: dict | None = None) -> nn.Modul
     """``model`` with suggest's plan over ``mesh``: for its default inputs (a transformers
     model's token ids), or ``inputs`` where it takes others."""
     import tpfn
-    from tpfn.suggest.inputs import defaults
+    from tpfn.analysis.inputs import defaults
 
     given = None if defaults(model) is not None else inputs
     return tpfn.parallelize(model, mesh, tpfn.suggest(model, mesh.size(), example_inputs=given),

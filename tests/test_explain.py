@@ -272,11 +272,13 @@ def test_the_classic_global_head_view_fails_at_its_module_with_a_hint():
         "their features (of the heads), so a view with the global head count fails; hold the local "
         "count (heads // 4) with per_rank('n_heads') (the attribute it views by) in its style, view "
         "with -1, or hand it DTensors with colwise(local=False).",
-        "'layers.0.attention' (Attention) holds n_heads = 64, the global head count of 'wq', 'wk', "
-        "'wv', whose colwise() hand on local shards: each of the 4 ranks holds 16 of the 64 heads, "
-        "so a view by n_heads heads (view(B, T, self.n_heads, -1)) makes heads of the wrong size, "
-        "silently; hold the local count (16) with per_rank('n_heads') in its style, view with -1 "
-        "heads of the head size, or hand it DTensors with colwise(local=False) (and 1 more like it)."]
+        "'layers.0.attention' aten.view.default (torch/testing/_internal/distributed/_tensor/"
+        "common_dtensor.py:174): views its shard as (2, 64, 64, 4) by self.n_heads = 64 that is the "
+        "global one (and cannot: the rank's features do not fill it), where its share of one "
+        "device's (2, 64, 64, 4) is (2, 64, 16, 4): the rank's features are cut into the wrong "
+        "pieces (heads of the wrong size), silently; hold the count per rank with per_rank('n_heads') "
+        "in the module's style, view with -1 for the count and the head size given, or hand the "
+        "module DTensors (colwise(local=False))"]
     assert isinstance(e.value.__cause__, RuntimeError)
 
 
@@ -634,12 +636,20 @@ GLOBAL_N_HEAD = (
     "heads, so a view by n_head heads (view(B, T, self.n_head, -1)) makes heads of the wrong "
     "size, silently; hold the local count (2) with per_rank('n_head') in its style, view with -1 "
     "heads of the head size, or hand it DTensors with colwise(local=False) (and 1 more like it).")
+VIEW_LINE = f"tests/test_explain.py:{CausalSelfAttention.forward.__code__.co_firstlineno + 6}"
+SPLIT_LINE = f"tests/test_explain.py:{CausalSelfAttention.forward.__code__.co_firstlineno + 5}"
 
 
 def test_a_global_head_count_next_to_local_shards_is_linted_though_nothing_fails():
     model = GPT(GPTConfig(), view_by_heads=True)
     report = tpfn.explain(model, GPT_PLAN, world_size=2, example_inputs=(2, 8))  # runs: -1 absorbs
-    assert report.lints == (GLOBAL_N_HEAD,)
+    assert report.lints == report.warnings == (  # what the analysis saw on the ranks
+        f"'transformer.h.*.attn' aten.view.default ({VIEW_LINE}): views its shard as (2, 8, 4, 8) by "
+        "self.n_head = 4 that is the global one, where its share of one device's (2, 8, 4, 16) is "
+        "(2, 8, 2, 16): the rank's features are cut into the wrong pieces (heads of the wrong size), "
+        "silently; hold the count per rank with per_rank('n_head') in the module's style, view with "
+        "-1 for the count and the head size given, or hand the module DTensors (colwise(local=False)) "
+        "(and 5 more like it)",)
     minigpt = GPT(GPTConfig(), keep_config=False, view_by_heads=True)  # minGPT keeps no config
     assert tpfn.explain(minigpt, GPT_PLAN, world_size=2).lints == (GLOBAL_N_HEAD,)
     held = {**GPT_PLAN, "transformer.h.*.attn": prepare_in(Replicate()) >> per_rank("n_head")}
@@ -648,9 +658,11 @@ def test_a_global_head_count_next_to_local_shards_is_linted_though_nothing_fails
     attn = next(m for m in report.to_dict()["modules"] if m["fqn"] == "transformer.h.0.attn")
     assert attn["per_rank"] == [{"name": "n_head", "global": 4, "local": 2}]
     assert re.search(r"\n  n_head +per rank +4 -> 2\n", report.text(width=None, wide=True))
-    for block in model.transformer.h:  # the local count set by hand (config.n_head is 4)
-        block.attn.n_head //= 2
-    assert tpfn.explain(model, GPT_PLAN, world_size=2, example_inputs=(2, 8)).lints == ()
+    for block in model.transformer.h:  # the local count set by hand (config.n_head is 4): the names
+        block.attn.n_head //= 2          # look right, but the model now has 2 heads, and the ranks 4
+    assert tpfn.explain(model, GPT_PLAN, world_size=2).lints == ()
+    assert "views its shard as (2, 8, 2, 16) by self.n_head = 2 that is the global one" in tpfn.explain(
+        model, GPT_PLAN, world_size=2, example_inputs=(2, 8)).lints[0]
     for block in minigpt.transformer.h:  # without a config: its numbers are all local
         block.attn.n_head //= 2
         block.attn.n_embd //= 2
@@ -674,7 +686,11 @@ def test_a_split_by_the_global_width_after_colwise_fails_with_a_hint():
         "local output of its colwise(parts=3) 'c_attn': each of the 2 ranks holds 96 of its 192 "
         "features (1/2 of each of its 3 parts), so a split by the global size (n_embd = 64) gives "
         "2 pieces, not 3; split by the local size (64 // 2 = 32) with per_rank('n_embd') in its "
-        "style, or with .chunk(3, dim=-1), or hand it DTensors with colwise(local=False).", GLOBAL_N_HEAD]
+        "style, or with .chunk(3, dim=-1), or hand it DTensors with colwise(local=False).",
+        f"'transformer.h.0.attn' aten.split.Tensor ({SPLIT_LINE}): splits its shard into a piece of "
+        "(2, 8, 64) by 64, a size that is the global one, where its share of one device's (2, 8, 64) "
+        "is (2, 8, 32): each rank holds 1/2 of the features it splits; split by the local size (held "
+        "with per_rank(...) in the module's style), or with chunk(...)"]
     plain = {**GPT_PLAN, "transformer.h.*.attn.c_attn": colwise()}
     with pytest.raises(PlanError) as e:
         tpfn.explain(GPT(GPTConfig()), plain, world_size=4, example_inputs=(2, 8))
@@ -684,7 +700,12 @@ def test_a_split_by_the_global_width_after_colwise_fails_with_a_hint():
         "gives 1 piece, not 3; bind it to colwise(parts=3), so that each rank holds its slice of "
         "every part, and split by the local size with per_rank('n_embd') in its style or with "
         ".chunk(3, dim=-1).")
-    assert e.value.problems[2] == (  # after the global n_head
+    assert e.value.problems[1] == (  # one device's split, typed: the analysis
+        f"'transformer.h.*.attn' aten.split.Tensor ({SPLIT_LINE}): split cuts dim 2 into pieces of "
+        "(64, 64, 64), but each of the 4 ranks holds a contiguous 1/4 of its 192 features, not its share "
+        "of each piece (rank 0 holds the first 48); shard the projection that makes them with "
+        "colwise(parts=3), so that each rank holds its slice of every piece (and 1 more like it)")
+    assert tpfn.explain(GPT(GPTConfig()), plain, world_size=4).lints[1] == (  # without inputs: the names
         "'c_attn' of 'transformer.h.0.attn' (CausalSelfAttention) fuses q, k and v (4 heads of 16 "
         "features each: 3 x 64 = 192 features), and colwise() cuts its output into 4 contiguous "
         "shards of 48 features, across q, k and v, so each rank computes attention on the wrong "
@@ -714,12 +735,18 @@ def test_a_fused_qkv_of_unequal_parts_under_colwise_is_linted():
     plan = {"": prepare_in(Replicate()), "qkv": colwise(), "o": rowwise()}
     with pytest.raises(PlanError) as e:
         tpfn.explain(FusedGQA(), plan, world_size=2, example_inputs=(2, 8, 128), dtype=torch.float32)
+    line = f"tests/test_explain.py:{FusedGQA.forward.__code__.co_firstlineno + 2}"
     assert e.value.problems[1:] == [
+        f"'<root>' aten.split_with_sizes.default ({line}): split_with_sizes cuts dim 2 into pieces of "
+        "(128, 32, 32), but each of the 2 ranks holds a contiguous 1/2 of its 192 features, not its "
+        "share of each piece (rank 0 holds the first 96); shard the projection that makes them with "
+        "colwise(parts=(128, 32, 32)), so that each rank holds its slice of every piece"]
+    assert tpfn.explain(FusedGQA(), plan, world_size=2).lints == (  # without inputs: the names
         "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
         "of 16 features: 128 + 32 + 32 = 192 features), and colwise() cuts its output into 2 "
         "contiguous shards of 96 features, across q, k and v, so each rank computes attention on "
         "the wrong features, silently; use colwise(parts=(128, 32, 32)), which gives each rank its "
-        "slice of q, of k and of v."]
+        "slice of q, of k and of v.",)
     equal_parts = tpfn.explain(FusedGQA(), {**plan, "qkv": colwise(parts=3)}, world_size=2)
     assert equal_parts.lints == (
         "'qkv' of '<root>' (FusedGQA) fuses q, k and v of unequal sizes (8 heads and 2 + 2 KV heads "
@@ -745,7 +772,11 @@ def test_a_rowwise_linear_with_no_colwise_partner_fails_with_a_hint():
         "its 64 input features, so it takes the local shard that a colwise() module hands on, but "
         "its input has all 64 (the global in_features): no colwise() module feeds it; bind the "
         "projection before it to colwise(), or split a replicated input with "
-        "prepare_in(Replicate()) >> rowwise()."]
+        "prepare_in(Replicate()) >> rowwise().",
+        "'2' input 0: arrives as replicated where its style (rowwise(), on Linear) takes a local tensor "
+        "as Shard(dim=-1): it takes the value as if it were laid out so, and the module computes on "
+        "other numbers than one device; lay out the slot as it arrives (prepare_in(Replicate()) or "
+        "given=), or move it before"]
     assert tpfn.explain(mlp, {"2": prepare_in(Replicate()) >> rowwise()}, world_size=2,
                         example_inputs=(8, 16), dtype=torch.float32).count("forward") == {
         "all_reduce": 1}
@@ -766,27 +797,51 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2)
 
 
-def test_a_hugging_face_model_set_up_for_training_is_told_how_to_run():
+def test_a_hugging_face_model_set_up_for_training_dry_runs_on_its_inputs():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**TINY, use_cache=False))
+    model = LlamaForCausalLM(LlamaConfig(**TINY, use_cache=False))  # reads its position ids' values
     plan = tpfn.from_hf(model.tp_plan, model)
-    with pytest.raises(PlanError) as e:
-        tpfn.explain(model, plan, world_size=2, example_inputs=(2, 8))
-    assert e.value.problems == [
-        "the dry run's forward failed in 'model' (LlamaModel): RuntimeError: Tensor.item() cannot "
-        "be called on meta tensors. Hint: 'find_packed_sequence_indices' "
-        "(transformers/masking_utils.py:761) reads the value of a tensor (.item(), bool(), a "
-        "branch on it), but the dry run's tensors are meta tensors, which hold no values; "
-        "transformers reads the position ids to find packed sequences when a model runs without a "
-        "cache and without an attention mask (use_cache=False, as for training): pass "
-        "use_cache=True with the example inputs, e.g. example_inputs={'input_ids': (2, 8), "
-        "'use_cache': True}, which changes no collective."]
-    fixed = tpfn.explain(model, plan, world_size=2,
-                         example_inputs={"input_ids": (2, 8), "use_cache": True})
+    report = tpfn.explain(model, plan, world_size=2, example_inputs=(2, 8))   # the ids real
     cached = LlamaForCausalLM(LlamaConfig(**TINY))
-    assert fixed.comms == tpfn.explain(cached, plan, world_size=2, example_inputs=(2, 8)).comms
+    assert report.comms == tpfn.explain(cached, plan, world_size=2, example_inputs=(2, 8)).comms
+    assert report.lints == ()
+
+
+class Rotary(nn.Module):
+    """An MLP whose input is rotated by a table its forward builds with torch.arange (no device=)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[1]).float()[:, None] * self.inv_freq   # on the CPU, beside a buffer
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return self.down(torch.relu(self.up(x * table)))
+
+
+def test_a_rotary_table_built_without_a_device_dry_runs():
+    plan = {"up": colwise(), "down": rowwise()}
+    report = tpfn.explain(Rotary(), plan, world_size=2, example_inputs=(2, 8, 16), dtype=torch.float32)
+    assert report.collectives == {"all_reduce": 1} and report.lints == ()
+
+
+def test_a_value_read_from_the_weights_fails_with_a_hint():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x) if self.proj(x).sum() > 0 else x
+
+    with pytest.raises(PlanError) as e:
+        tpfn.explain(Gate(), {"proj": colwise() >> prepare_out(Replicate())}, world_size=2,
+                     example_inputs=(2, 4), dtype=torch.float32)
+    assert "the dry run's parameters are meta tensors, which hold no values" in e.value.problems[0]
 
 
 def test_hugging_face_attention_gets_no_head_lints():

@@ -280,7 +280,7 @@ def test_the_package_ships_its_subpackages_and_types():
     assert config["tool"]["setuptools"]["package-data"] == {"tpfn": ["py.typed"]}
     assert (ROOT / "tpfn" / "py.typed").is_file()
     subpackages = {p.parent.name for p in (ROOT / "tpfn").glob("*/__init__.py")}
-    assert subpackages == {"adapters", "dryrun", "interpret", "kernels", "plans", "style", "suggest",
+    assert subpackages == {"adapters", "analysis", "dryrun", "interpret", "kernels", "plans", "style", "suggest",
                            "training"}
     project = config["project"]
     assert "torch>=2.13,<2.15" in project["dependencies"]  # private torch APIs: checked on 2.13, 2.14
@@ -453,3 +453,16 @@ def test_explain_and_verify_take_a_checkpoint_with_its_plan_or_suggests(tmp_path
     out = capsys.readouterr().out
     assert re.search(r"model\.decoder\.layers\.\*\.fc1 \(Linear\) x2 +colwise\(\) ", out)  # suggest's
     assert main(["verify", folder, "--input", "1,8"]) == 0, capsys.readouterr()
+
+
+def test_explain_dry_runs_a_checkpoint_saved_for_training(tmp_path, capsys):
+    """transformers reads the position ids of a model set up for training (use_cache=False) to
+    find packed sequences: the dry run's inputs are real, so it runs as it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 use_cache=False)).save_pretrained(tmp_path / "ckpt")
+    assert main(["explain", str(tmp_path / "ckpt"), "--world-size", "2", "--input", "input_ids=1,8",
+                 "--width", "80"]) == 0
+    assert "collectives per step:" in capsys.readouterr().out

@@ -20,6 +20,7 @@ FLOORS = [
     {"tpfn.plans"},
     {"tpfn.interpret"},
     {"tpfn.kernels"},
+    {"tpfn.analysis"},
     {"tpfn.dryrun", "tpfn.adapters", "tpfn.training.progress"},
     {"tpfn.suggest", "tpfn.training"},
     {"tpfn", "tpfn.cli", "tpfn.__main__", "tpfn.record", "tpfn.trace", "tpfn.checkpoint"},

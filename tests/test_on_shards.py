@@ -1,5 +1,6 @@
 """Packed parts and ``on_shards``: fused projections and modules tpfn has no built-in style for."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -225,3 +226,12 @@ def _tuple_outputs():
 
 def test_on_shards_outputs_several_tensors_through_prepare_out(ranks2):
     assert ranks2.run(_tuple_outputs) == [(True, True)] * 2
+
+
+def test_partial_gradients_of_a_parameter_the_style_does_not_place_are_refused():
+    # a plain parameter's gradient would stay each rank's terms of the sum: refused by name
+    norm = nn.LayerNorm(4)
+    with pytest.raises(tpfn.PlanError, match=r"declares the gradient of 'weight' laid out Partial\(\), but the "
+                       r"style does not place 'weight', so tpfn would never sum it; place it: "
+                       r"params\(weight=Replicate\(\)\) >> on_shards"):
+        tpfn.resolve(on_shards(Shard(1), output=Shard(1), param_grads={"weight": Partial()}), norm)

@@ -178,7 +178,7 @@ def _graph():
     seen = {}
 
     def past_views(node):  # (a linear's output: the rows of its product, viewed in the input's shape)
-        return node.next_functions[0][0] if type(node).__name__ == "UnsafeViewBackward0" else node
+        return node.next_functions[0][0] if type(node).__name__ in ("ViewBackward0", "UnsafeViewBackward0") else node
 
     def look(module, args, out):
         node = past_views(out.grad_fn)

@@ -17,7 +17,7 @@ from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
 from tpfn.dryrun.cost import Link, Machine
 from tpfn.dryrun.units import fmt_seconds
-from tpfn.suggest.factors import local_shape, plain, tag, view
+from tpfn.analysis.factors import local_shape, plain, tag, view
 
 TOL = 1e-5  # float32 sums in another order (tests/test_parallelize.py's bar for a block)
 
@@ -390,7 +390,7 @@ def test_heads_split_from_features_and_merged_back_hold_each_ranks_share(b, s, h
 
 
 def test_dry_runs_keep_the_values_of_inputs_and_a_meta_value_written_into_one_is_unknown():
-    from tpfn.suggest.hybrid import Hybrid
+    from tpfn.analysis.hybrid import Hybrid
 
     weight = torch.empty(4, device="meta")
     with Hybrid():
@@ -529,3 +529,23 @@ def test_experts_tied_to_experts_sharded_alike_are_sharded_at_one_devices_number
         rules["first.experts"]), repr(p)
     for errors, forward, backward in ranks2.run(_tied_moe_step, p):
         assert max(errors.values()) < TOL, {k: v for k, v in errors.items() if v >= TOL}
+
+
+class ScaledByLocalWidth(nn.Module):
+    """Reads a scale from its hidden features' width: on a rank's shard, the local one."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return self.down(h * h.shape[-1] ** -0.5)
+
+
+def test_a_scale_read_from_a_local_width_leaves_its_pair_whole():
+    found = tpfn.suggest(ScaledByLocalWidth(), 2, example_inputs=torch.randn(4, 16))
+    rules = dict(found.rules)
+    assert rules.get("up") != colwise() and rules.get("down") != rowwise()   # not the pair
+    assert "takes other=0.1767766952966369 on a rank where one device takes 0.125" in \
+        dict(found.notes)[""]

@@ -86,8 +86,13 @@ def test_heads_viewed_with_the_global_count_are_caught_and_named():
     report = tpfn.verify(heads(), HEADS, (2, 6))
     print(report)
     assert not report.ok and report.culprit == "attn"
-    assert "'attn' (Heads) (prepare_in(Replicate())) diverges first" in report.hint
-    assert "view(B, T, n_head, -1)" in report.hint
+    assert report.hint.startswith(
+        "'attn' (Heads) (prepare_in(Replicate())) computes other numbers than one device (its output's "
+        "relative error ")
+    line = f"tests/test_verify.py:{Heads.forward.__code__.co_firstlineno + 2}"
+    assert f"tpfn.check names the op: aten.view.default ({line}): views its shard as (2, 6, 4, 2) by " \
+        "self.n_head = 4 that is the global one" in report.hint
+    assert "hold the count per rank with per_rank('n_head')" in report.hint
     assert "attn (Heads)" in str(report) and "<- diverges here" in str(report)
 
 
@@ -95,7 +100,7 @@ def test_a_fused_gqa_projection_under_plain_colwise_is_caught_and_named():
     report = tpfn.verify(fused(), FUSED, (2, 6))
     print(report)
     assert not report.ok and report.culprit == "attn"
-    assert "colwise(parts=k)" in report.hint
+    assert "aten.split_with_sizes.default" in report.hint and "colwise(parts=(16, 8, 8))" in report.hint
 
 
 @pytest.mark.parametrize("make, plan", [(heads, HEADS_FIXED), (fused, FUSED_FIXED)])
@@ -194,3 +199,49 @@ def test_the_report_fits_80_columns_and_says_each_repeated_block_once(capsys, mo
     assert any(line.startswith("blocks.*.attn.o") for line in rows)
     report = tpfn.verify(fused(), FUSED, (2, 6))  # the culprit keeps its own line
     assert [line for line in str(report).splitlines() if "<- diverges here" in line][0].startswith("attn (FusedGQA)")
+
+
+def test_a_padding_embedding_row_wise_is_verified():
+    """DTensor hands back the row-sharded weight's gradient replicated: assembled by its own layout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 8, padding_idx=0), nn.Linear(8, 8))
+    report = tpfn.verify(model, {"0": rowwise()}, (2, 5))
+    assert report.ok and report.failure is None, str(report)
+
+
+class Half(nn.Module):
+    def forward(self, x):
+        return x * 0.5
+
+
+class Outside(nn.Module):
+    """A row-wise output left a partial sum, halved by a module outside the plan, summed at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.scale = nn.Linear(16, 64), nn.Linear(64, 16, bias=False), Half()
+
+    def forward(self, x):
+        return self.scale(self.down(torch.relu(self.up(x))))
+
+
+def test_a_partial_sum_through_a_module_outside_the_plan_is_compared_as_a_sum():
+    torch.manual_seed(0)
+    plan = {"": prepare_out(Replicate(), given=tpfn.Partial()), "up": colwise(),
+            "down": rowwise() >> prepare_out(tpfn.Partial())}
+    report = tpfn.verify(Outside(), plan, torch.randn(2, 6, 16))
+    assert report.ok and report.culprit is None, str(report)
+    assert max(c.output for c in report.checks if c.output is not None) < 1e-5
+
+
+def test_a_nonlinear_op_of_a_partial_sum_is_named_by_its_op():
+    torch.manual_seed(0)
+    model = Outside()
+    model.scale = nn.ReLU()
+    plan = {"up": colwise(), "down": rowwise() >> prepare_out(tpfn.Partial())}
+    report = tpfn.verify(model, plan, torch.randn(2, 6, 16))
+    assert not report.ok and report.culprit == "scale"
+    assert report.hint.startswith("'scale' (ReLU) computes other numbers than one device (its output's "
+                                  "relative error ")
+    assert ("tpfn.check names the op: aten.relu.default (tests/test_verify.py:" in report.hint
+            and "relu of a partial sum (output 0 of 'down')" in report.hint)

@@ -10,6 +10,7 @@ from tpfn import algebra, checkpoint, kernels, record, rng, trace
 from tpfn.adapters.from_hf import from_hf
 from tpfn.adapters.from_torch import from_torch
 from tpfn.adapters.lora import with_lora
+from tpfn.analysis.check import Check, check
 from tpfn.dryrun.explain import explain
 from tpfn.dryrun.report import Report
 from tpfn.dryrun.verify import verify
@@ -42,6 +43,6 @@ __all__ = [
     "cross_entropy", "causal_lm_loss", "clip_grad_norm_", "param_groups", "for_accelerate",
     "from_pretrained", "load_pretrained", "save_pretrained", "empty_weights", "CheckpointError", "from_hf",
     "with_lora",
-    "explain", "Report", "verify", "suggest",
+    "explain", "Report", "verify", "suggest", "check", "Check",
     "PlanError", "LayoutError", "StyleError", "CollectiveError",
     "algebra", "checkpoint", "record", "rng", "trace"]

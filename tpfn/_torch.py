@@ -583,4 +583,10 @@ def global_offset(dt) -> tuple:
     return tuple(compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)[1])
 
 
-__all__ += ["global_offset"]
+def meta_like(dt: DTensor) -> DTensor:
+    """A DTensor laid out as ``dt`` whose local tensor is a meta tensor of its local shape (a dry
+    run that keeps real values where it can meets a DTensor of real values, ``tpfn.analysis.hybrid``)."""
+    return DTensor(dt._local_tensor.to("meta"), dt._spec, requires_grad=dt.requires_grad)
+
+
+__all__ += ["global_offset", "meta_like"]

@@ -1,12 +1,14 @@
 """The command line: ``tpfn explain MODEL PLAN --world-size N --input SHAPE``, and
 ``tpfn verify MODEL PLAN --world-size N --input SHAPE`` (the plan run on N real ranks and
 compared with one device; exit status 0 when every number agrees, else 1, the report printed);
-``tpfn suggest MODEL --world-size N`` prints the plan ``tpfn.suggest`` derives, as code.
+``tpfn suggest MODEL --world-size N`` prints the plan ``tpfn.suggest`` derives, as code;
+``tpfn check MODEL PLAN --world-size N`` proves the plan on N fake ranks, op by op
+(``tpfn.check``; exit status 0 when every op is proven, 1 on a finding, ``--json`` for JSON).
 
 MODEL and PLAN are import paths, package.module:name (or package.module.name), or a file and
 a name in it, path/to/model.py:GPT: a module or a plan, or a function that returns one when
 called without arguments. MODEL may also be a Hugging Face checkpoint folder or a config
-(a .json file): the model is built from its config (explain and suggest: on meta, no weights;
+(a .json file): the model is built from its config (explain, suggest, check: on meta, no weights;
 verify: with the checkpoint's weights, or seeded random ones from a config), and PLAN, when
 left out, is the model's own plan (``tpfn.from_hf``), else ``tpfn.suggest``'s. Each --input is [NAME=]SHAPE[:DTYPE][:grad]: comma-separated sizes
 (a name is a symbol, --input b,s, whose stand-in value --size s=16 may set), a keyword
@@ -49,7 +51,8 @@ import torch
 import torch.nn as nn
 
 from tpfn.dryrun import explain
-from tpfn.dryrun.explain import ExampleInput
+from tpfn.analysis.check import check
+from tpfn.analysis.inputs import ExampleInput
 from tpfn.dryrun.table import MIN_WIDTH, prose
 from tpfn.dryrun.verify import verify
 from tpfn.errors import PlanError
@@ -288,7 +291,19 @@ def _parser() -> argparse.ArgumentParser:
                        dict(type=int, default=2, help="ranks (2)"), plan=False)
     g.add_argument("--loss-parallel", action="store_true", help="leave the head's logits sharded, for "
                    "tpfn.cross_entropy")
-    for command in (p, v, g):
+    c = commands.add_parser("check", help="prove on fake ranks that a plan computes one device's numbers",
+                            description=textwrap.fill(
+                                "Prove on N fake ranks, op by op, forward and backward, that the plan "
+                                "makes the model compute one device's numbers (tpfn.check): each finding "
+                                "names the module, the op and the line of the model's source. Exit status "
+                                "0 when every op is proven, 1 on a finding.", 79),
+                            epilog=INPUTS.replace(", or b,s for a formula", ""), formatter_class=form)
+    _model_plan_inputs(c, "8,1024 (a transformers model's default: one sequence of token ids)",
+                       dict(type=int, default=2, help="ranks (2)"))
+    c.add_argument("--width", type=_width, metavar="N",
+                   help=f"columns of the report (the terminal's; at least {MIN_WIDTH}; 0: no limit)")
+    c.add_argument("--json", action="store_true", help="print the outcome and every finding as JSON")
+    for command in (p, v, g, c):
         command.add_argument("--traceback", action="store_true",
                              help="on an error, the Python traceback down to the line that failed")
         command.set_defaults(command_parser=command)
@@ -403,6 +418,18 @@ def _failed(args, prefix: str, error: Exception) -> int:
     return 1
 
 
+def _check(args, model, plan) -> int:
+    if any(not isinstance(d, int) for _, shape, _, _ in args.input for d in shape):
+        args.command_parser.error("check runs the model on its inputs: give --input sizes as numbers, not names")
+    inputs = _arrange(args.command_parser.error, model, _inputs(args))
+    try:
+        found = check(model, plan, args.world_size, example_inputs=inputs)
+    except (PlanError, ValueError, TypeError, RuntimeError) as e:
+        return _failed(args, "tpfn check: ", e)
+    print(found.to_json() if args.json else found.text(_columns(args)))
+    return 0 if found.ok else 1
+
+
 def _suggest(args, model) -> int:
     import tpfn
 
@@ -450,6 +477,8 @@ def main(argv=None) -> int:
             return _failed(args, f"tpfn {args.command}: ", e)
     if args.command == "verify":
         return _verify(args, model, plan)
+    if args.command == "check":
+        return _check(args, model, plan)
     reports = []
     for which, value in (("", plan), ("the baseline plan: ", baseline)):
         if value is None and which:

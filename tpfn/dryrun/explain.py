@@ -6,7 +6,7 @@ run is seen from rank 0. With example inputs it runs one forward and the backwar
 sum of every floating-point output that needs a gradient, and ``tpfn.record`` measures
 each collective. The user's module is never changed.
 
-Each dry run makes its own fake mesh (``tpfn.dryrun.fake``) and unregisters its group at
+Each dry run makes its own fake mesh (``tpfn.analysis.fake``) and unregisters its group at
 the end, so ``explain`` runs inside a job whose default group is initialized, and after the
 user's own ``init_process_group``/``destroy_process_group``.
 
@@ -18,11 +18,10 @@ two runs and checks the fit against the third; a size that is no such product is
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import itertools
 import math
 import warnings
-from collections.abc import Mapping
 from fractions import Fraction
 
 import attrs
@@ -32,13 +31,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import join
-from tpfn._torch import buffers_of, parameters_of
+from tpfn._torch import parameters_of
 from tpfn.algebra import local_shape, transition
+from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.findings import once
+from tpfn.analysis.hybrid import Hybrid, hybrid_copy, meta_copy, real
+from tpfn.analysis.inputs import ExampleInput, floats, is_shape, split_inputs, vocabulary
+from tpfn.analysis.ranks import watch
+from tpfn.analysis.typed import typed
 from tpfn.dryrun import lints as lint
 from tpfn.dryrun import units
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine, predict
-from tpfn.dryrun.fake import new_fake_mesh, release
 from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.dryrun.slots import Slots, storage_of
 from tpfn.dryrun.work import count
@@ -48,52 +52,11 @@ from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.plans.mount import local_sizes
-from tpfn.plans.plan import Plan
+from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
 from tpfn.tree import CHUNKS, chunks_of
 
-__all__ = ["explain", "ExampleInput", "meta_copy"]
-
-
-def meta_copy(module: nn.Module, *, values: bool = False, who: str = "explain") -> nn.Module:
-    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept);
-    ``values``: its buffers and tensor attributes real, copied to the CPU (meta ones stay meta).
-    ``who``: the caller, for the error a DTensor raises."""
-    memo: dict = {}
-    for fqn, sub in module.named_modules():
-        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
-                                           vars(sub).items()):
-            if not isinstance(value, torch.Tensor) or id(value) in memo:
-                continue
-            if isinstance(value, DTensor):
-                raise ValueError(
-                    f"{join(fqn, name)!r} is already a DTensor: {who} takes the module as it is "
-                    "before parallelize (build it on the meta device if it is big).")
-            if values and not isinstance(value, nn.Parameter) and not value.is_meta:
-                memo[id(value)] = value.detach().to("cpu", copy=True)
-                continue
-            meta = torch.empty_like(value, device="meta")
-            memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
-                value, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
-
-
-@attrs.frozen
-class ExampleInput:
-    """An example input as a shape (ints or sympy expressions), a dtype and a gradient flag."""
-
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool = False
-
-    def meta(self, values: dict) -> torch.Tensor:
-        shape = [int(sympy.sympify(d).subs(values)) for d in self.shape]
-        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
-
-
-def _is_shape(x) -> bool:
-    sizes = lambda d: isinstance(d, (int, sympy.Expr)) and not isinstance(d, bool)  # noqa: E731
-    return isinstance(x, (tuple, list, torch.Size)) and all(map(sizes, x))
+__all__ = ["explain"]
 
 
 def _input(x, dtype):
@@ -101,24 +64,10 @@ def _input(x, dtype):
         raise TypeError("example inputs are local values as a rank passes them: give a tensor, "
                         f"a meta tensor or a shape, not a DTensor (got one of shape {tuple(x.shape)}).")
     if isinstance(x, torch.Tensor):
-        return ExampleInput(tuple(x.shape), x.dtype, x.requires_grad)
-    if _is_shape(x):
+        return ExampleInput(tuple(x.shape), x.dtype, x.requires_grad, x)
+    if is_shape(x):
         return ExampleInput(tuple(x), dtype)
     return x
-
-
-def split_inputs(example_inputs, make, is_shape=_is_shape) -> tuple:
-    """``(args, kwargs)`` of ``example_inputs`` (a tensor, a shape, a tuple of them or a dict), each
-    value made by ``make``; ``is_shape`` tells one shape from a tuple of inputs."""
-    if isinstance(example_inputs, Mapping):
-        return (), {k: make(v) for k, v in example_inputs.items()}
-    if isinstance(example_inputs, torch.Tensor) or (is_shape(example_inputs) and example_inputs):
-        return (make(example_inputs),), {}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(make(x) for x in example_inputs), {}
-    raise TypeError(
-        "'example_inputs' must be a tensor, a shape, a tuple of them (positional inputs) or a "
-        f"dict (keyword inputs) (got {example_inputs!r} that is a {type(example_inputs)!r}).")
 
 
 def _local(shape: tuple, placement, shown, n: int) -> tuple:
@@ -200,19 +149,6 @@ def _blocks(module: nn.Module) -> tuple:
     return tuple(join(fqn, str(i)) for i in range(n))
 
 
-def tensors(x) -> list:
-    """The tensors in an input or output (tensors, tuples, lists, dicts), in order."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, (tuple, list)) else ()
-    return [t for item in items for t in tensors(item)]
-
-
-def floats(out) -> list:
-    """Every floating-point tensor in an output (tensors, tuples, lists, dicts) that needs a gradient."""
-    return [t for t in tensors(out) if t.is_floating_point() and t.requires_grad]
-
-
 def _tokens(x: ExampleInput):
     """b*s of the first input: its elements (token ids), or per last dim for embeddings."""
     dims = x.shape[:-1] if x.dtype.is_floating_point else x.shape
@@ -227,47 +163,85 @@ def _kept(model: nn.Module, saved: list) -> int:
     return sum(s.nbytes() for s in distinct.values())
 
 
-def _run(model: nn.Module, mounts: dict, lints: list, n: int, args, kwargs, values: dict, block):
-    """One forward and backward of ``model``: the collectives, what ``_watch`` saw, the
-    ``Slots`` that watched each slot, the bytes saved for the backward, and each phase's work."""
+def _run(model: nn.Module, mounts: dict, lints: list, n: int, inputs: tuple, values: dict, block, ranks):
+    """One forward and backward of ``model`` on ``inputs`` (``(args, kwargs)``, real, run under
+    ``Hybrid``): the collectives, what ``_watch`` saw, the ``Slots`` that watched each slot, the
+    bytes saved for the backward, and each phase's work; ``ranks``, where the analysis runs, the
+    mode that follows the forward against one device's (``tpfn.analysis.ranks.watch``)."""
     seen: dict = {}
     _watch(model, seen, block)
     nodes: list = []
     slots = Slots(model, {fqn: [label for label, slot in _slots(m) if not slot.untouched]
                           for fqn, m in mounts.items()}, nodes, seen)
-    args = tuple(x.meta(values) if isinstance(x, ExampleInput) else x for x in args)
-    kwargs = {k: x.meta(values) if isinstance(x, ExampleInput) else x for k, x in kwargs.items()}
-    phase, saved = "forward", []
+    args, kwargs = inputs
+    phase, saved, hybrid = "forward", [], Hybrid()
 
     def pack(x):
         saved.append(x)
         return x
 
     try:
-        with record(model, nodes=nodes) as comms, count() as work:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        with record(model, nodes=nodes) as comms, hybrid, count() as work:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ranks or contextlib.nullcontext():
                 out = model(*args, **kwargs)
+                if ranks is not None:
+                    ranks.rest()
+                    ranks.done = True
             phase = work.phase = "backward"
+            hybrid.values = False
             grads = [t.sum() for t in floats(out)]
             if grads:
                 torch.autograd.backward(grads)
     except PlanError as exc:  # a module the plan refuses when it runs: its problems as they are
-        raise PlanError([*exc.problems, *lints]) from exc
+        raise PlanError([*exc.problems, *lints, *_lints(ranks.findings if ranks else ())]) from exc
     except Exception as exc:
-        raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints]) from exc
+        raise PlanError([lint.failure(exc, model, mounts, n, phase, values), *lints,
+                         *_lints(ranks.findings if ranks else ())]) from exc
     return comms, seen, slots, _kept(model, saved), tuple((p, work.of(p)) for p in ("forward", "backward"))
 
 
-def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
-    """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``."""
-    model, mesh = meta_copy(module), new_fake_mesh(n)
+def _lints(findings) -> list:
+    """The analysis' findings as warnings: one per kind, repeated blocks once with their count."""
+    return [f"{f}" + (f" (and {k - 1} more like it)" if k > 1 else "") for f, k in once(findings)]
+
+
+def _made(module: nn.Module, args, kwargs, values: dict) -> tuple:
+    """``(args, kwargs)`` real (``ExampleInput.real``): the same tensors for every run of one dry run."""
+    vocab, gen = vocabulary(module), torch.Generator().manual_seed(0)
+    make = lambda x: x.real(values, vocab, gen) if isinstance(x, ExampleInput) else real(x)  # noqa: E731
+    return tuple(make(x) for x in args), {k: make(x) for k, x in kwargs.items()}
+
+
+def _dry_run(module, plan, n: int, shown, args, kwargs, values: dict, options: dict, analysed: bool) -> Report:
+    """One dry run on ``n`` fake ranks; sizes and the mesh size shown as ``shown`` and ``values``;
+    ``analysed``: with the analysis (``tpfn.check``'s) beside it."""
+    ran = args is not None
+    model, mesh = (hybrid_copy(module, who="explain") if ran else meta_copy(module)), new_fake_mesh(n)
+    inputs = _made(module, args, kwargs, values) if ran else None
     try:
-        return _report(model, mesh, plan, n, shown, args, kwargs, values, options)
+        return _report(model, mesh, plan, n, shown, args, kwargs, values, options,
+                       module if ran and analysed else None, inputs)
     finally:
         release(mesh)
 
 
-def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, options: dict) -> Report:
+def _traced(module: nn.Module, plan, n: int, inputs: tuple):
+    """One device's typed forward (``tpfn.analysis.typed``) on the inputs the ranks' pieces make
+    (explain's are a rank's: where the root's style declares one sharded, its ``n`` pieces are
+    rank 0's, repeated), or None where it cannot run (the dry run then says why)."""
+    one = hybrid_copy(module, who="explain")
+    mounts = {m.fqn: m for m in resolve(plan, one)}
+    slots = mounts[""].inputs.slots if "" in mounts else ()
+    args = tuple(torch.cat([x] * n, slots[i].given.dim) if i < len(slots) and isinstance(slots[i].given, Shard)
+                 and isinstance(x, torch.Tensor) else x for i, x in enumerate(inputs[0]))
+    try:
+        return typed(one, mounts, args, inputs[1], n)
+    except RuntimeError:
+        return None
+
+
+def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, options: dict, module=None,
+            inputs=None) -> Report:
     symbol = shown if isinstance(shown, sympy.Basic) else None
     with warnings.catch_warnings():  # an empty plan: the whole model, on purpose (a baseline)
         warnings.filterwarnings("ignore", "the plan binds no module", UserWarning)
@@ -279,13 +253,19 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
             raise PlanError([p.replace(f"the {n} ranks", lint.named_ranks(n, symbol)) for p in e.problems]) from e
     mounts = {fqn: mounted(m) for fqn, m in model.named_modules() if mounted(m) is not None}
     rows = _rows(model, shown, n)
-    wrong = [*lint.head_counts(model, n, mounts, symbol),
-             *lint.fused(model, n, mounts)]  # the warnings; then the notes
-    lints = [*wrong, *lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n),
-             *lint.siblings(model, rows)]
+    trace = None if module is None or n == 1 else _traced(module, plan, n, inputs)
+    # the warnings: the analysis' findings where it ran, else what the names of attributes say
+    wrong = [*_lints(trace.findings), *lint.ratios(model, n, mounts, symbol)] if trace is not None else [
+        *lint.head_counts(model, n, mounts, symbol), *lint.fused(model, n, mounts)]
+    notes = [*lint.replicated_heads(model, n, mounts, symbol), *lint.uneven(rows, n), *lint.siblings(model, rows)]
     ran, blocks = args is not None, _blocks(model)
-    comms, seen, slots, kept, work = _run(model, mounts, lints, n, args, kwargs, values,
-                                          blocks[0] if blocks else None) if ran else ([], {}, None, None, ())
+    ranks = None if trace is None else watch(model, trace, n)
+    block = blocks[0] if blocks else None
+    comms, seen, slots, kept, work = _run(model, mounts, [*wrong, *notes], n, inputs, values, block,
+                                          ranks) if ran else ([], {}, None, None, ())
+    if ranks is not None:
+        wrong += [w for w in _lints(ranks.findings) if w not in wrong]
+    lints = [*wrong, *notes]
     rows = [attrs.evolve(r, transitions=_transitions(mounts[r.fqn], seen.get(r.fqn, {}), ran))
             if r.fqn in mounts else r for r in rows]
     flows = () if slots is None else slots.flows(
@@ -344,7 +324,7 @@ def _symbolic(module, plan, world_size, args, kwargs, symbols: list, sizes: dict
     base = {x: sizes.get(x, t0 if x == mesh_symbol else default) for x in symbols}
     runs = [{x: v * factor[x] ** j for x, v in base.items()} for j in range(3)]
     reports = [_dry_run(module, plan, int(sympy.sympify(world_size).subs(v)), world_size,
-                        args, kwargs, v, options) for v in runs]
+                        args, kwargs, v, options, analysed=j == 0) for j, v in enumerate(runs)]
     shapes = [[(c.fqn, c.phase, c.kind, c.itemsize) for c in r.comms] for r in reports]
     if not shapes[0] == shapes[1] == shapes[2]:
         raise ValueError(f"the collectives differ between the stand-in sizes {_at(symbols, runs)}: "
@@ -432,6 +412,6 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
         raise ValueError("explain(..., machine=...) predicts the step time of a run: give example_inputs "
                          f"at numbers{' (not symbols: ' + ', '.join(map(str, symbols)) + ')' if symbols else ''}.")
     if not symbols:
-        report = _dry_run(module, plan, world_size, world_size, args, kwargs, {}, options)
+        report = _dry_run(module, plan, world_size, world_size, args, kwargs, {}, options, analysed=True)
         return report if machine is None else attrs.evolve(report, step=predict(report, machine))
     return _symbolic(module, plan, world_size, args, kwargs, symbols, sizes, options)

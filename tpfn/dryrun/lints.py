@@ -37,12 +37,13 @@ import sys
 import torch.nn as nn
 
 from tpfn._fqn import describe, generalize, join
+from tpfn.analysis.where import failing_module
 from tpfn.layout import Shard
 from tpfn.plans.refusals import linear_width, local_colwise, once, part_widths, projected_heads
 from tpfn.style.constructors import per_rank
 
-__all__ = ["uneven", "replicated_heads", "head_counts", "fused", "siblings", "failure",
-           "failing_module", "local_colwise", "named_ranks"]
+__all__ = ["uneven", "replicated_heads", "head_counts", "ratios", "fused", "siblings", "failure",
+           "local_colwise", "named_ranks"]
 
 # Attribute names that hold head counts, head sizes and model widths in common attention code
 # (nanoGPT, minGPT, transformers, torchtitan, Megatron-style); their values must be positive ints.
@@ -223,6 +224,19 @@ def head_counts(module: nn.Module, world_size: int, mounts: dict, shown=None) ->
                 else:
                     continue
                 found.append((generalize(fqn) + "." + attr, start + problem))
+    return once(found)
+
+
+def ratios(module: nn.Module, world_size: int, mounts: dict, shown=None) -> list:
+    """The query heads per KV head of the whole model held where KV heads are replicated over
+    groups of ranks (``_ratios``), for every module: a warning beside the analysis' findings,
+    whose sentence names the ratio and its fix."""
+    found = []
+    for fqn, sub in module.named_modules():
+        children = _local_children(sub, fqn, mounts)
+        if children and world_size > 1:
+            local_here = {path for path, _ in getattr(mounts.get(fqn), "sizes", ())}
+            found += _ratios(sub, fqn, world_size, {name: core for name, _, core in children}, shown, local_here)
     return once(found)
 
 
@@ -413,32 +427,12 @@ def _rowwise_hint(sub, fqn: str, mounts: dict, text: str):
 
 
 def _meta_hint(module: nn.Module, exc: BaseException):
-    """A value read from a meta tensor (``.item()``, ``bool()``): the dry run has none."""
-    reader = _reader(exc)
-    hint = (f"{reader} reads the value of a tensor (.item(), bool(), a branch on it), but the dry "
-            "run's tensors are meta tensors, which hold no values")
-    config = vars(module).get("config")
-    if "find_packed_sequence_indices" in reader or (
-            "transformers/" in reader and getattr(config, "use_cache", None) is False):
-        return hint + (
-            "; transformers reads the position ids to find packed sequences when a model runs "
-            "without a cache and without an attention mask (use_cache=False, as for training): "
-            "pass use_cache=True with the example inputs, e.g. example_inputs={'input_ids': "
-            "(2, 8), 'use_cache': True}, which changes no collective.")
-    return hint + ("; make that value a Python number (an attribute or an argument), or leave "
-                   "out the example inputs for placements and declared layouts only.")
-
-
-def failing_module(exc: BaseException, module: nn.Module) -> str | None:
-    """The FQN of the innermost module of ``module`` in ``exc``'s traceback (None: none)."""
-    names, fqn = {id(m): fqn for fqn, m in module.named_modules()}, None
-    tb = exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            fqn = names[id(owner)]
-        tb = tb.tb_next
-    return fqn
+    """A value read from a meta tensor (``.item()``, ``bool()``): the dry run has none where a
+    value is computed from the weights (its inputs and buffers keep theirs)."""
+    return (f"{_reader(exc)} reads the value of a tensor computed from the weights (.item(), bool(), "
+            "a branch on it), but the dry run's parameters are meta tensors, which hold no values; "
+            "make that value a Python number (an attribute or an argument), or leave out the "
+            "example inputs for placements and declared layouts only.")
 
 
 def failure(exc: BaseException, module: nn.Module, mounts: dict, world_size: int, phase: str,

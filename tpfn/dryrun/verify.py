@@ -22,10 +22,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from tpfn._fqn import describe, generalize, join, within
-from tpfn.dryrun.explain import floats, split_inputs, tensors
-from tpfn.dryrun.fake import new_fake_mesh, release
+from tpfn.analysis.check import analysed
+from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.hybrid import real
+from tpfn.analysis.inputs import floats, split_inputs, tensors
+from tpfn.analysis.where import failing_module
 from tpfn.dryrun.forked import on_ranks
-from tpfn.dryrun.lints import failing_module, local_colwise
+from tpfn.dryrun.lints import local_colwise
 from tpfn.dryrun.table import cell, checked_width, prose, render
 from tpfn.interpret.layouts import assemble, layouts
 from tpfn.interpret.parallelize import mounted, parallelize
@@ -181,12 +184,21 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
 
 
 def _grads(model: nn.Module) -> dict:
-    """``{name: (local gradient, layout) or None}`` of every parameter."""
+    """``{name: (local gradient, layout) or None}`` of every parameter: a DTensor gradient laid
+    out as its parameter is in the parameter's layout (which holds what DTensor cannot say, packed
+    parts), else in its own (DTensor's embedding with a ``padding_idx`` hands back a replicated
+    gradient of a row-sharded weight)."""
     out, placed = {}, layouts(model)
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = None if g is None else (g.to_local().clone(), placed.get(
-            name, from_torch(g.placements)[0])) if isinstance(g, DTensor) else (g.clone(), Replicate())
+        if g is None:
+            out[name] = None
+        elif not isinstance(g, DTensor):
+            out[name] = (g.clone(), Replicate())
+        else:
+            same = isinstance(p, DTensor) and tuple(g.placements) == tuple(p.placements)
+            own = from_torch(g.placements)[0]
+            out[name] = (g.to_local().clone(), placed.get(name, own) if same else own)
     return out
 
 
@@ -365,6 +377,40 @@ def _inputs(example_inputs, dtype, model: nn.Module, seed: int):
 
     return split_inputs(example_inputs, tensor,
                         lambda x: isinstance(x, (tuple, list)) and all(isinstance(d, int) for d in x))
+
+
+def _analysis(model: nn.Module, plan, n: int, args: tuple, kwargs: dict) -> tuple:
+    """``(trace, findings)`` of ``tpfn.check``'s analysis on these inputs (``(None, [])`` where
+    the model cannot run with its parameters on meta)."""
+    try:
+        return analysed(model, plan, n, tuple(map(real, args)), {k: real(v) for k, v in kwargs.items()})
+    except RuntimeError:
+        return None, []
+
+
+def _named(finding, model: nn.Module, mounts: dict, checks: list) -> str:
+    """The hint where the analysis names the op that computes other numbers: the module, its
+    style, its output's error here, and the finding."""
+    fqn = finding.fqn
+    style = f" ({mounts[fqn].style!r})" if fqn in mounts else ""
+    err = next((c.output for c in checks if c.fqn == fqn and c.output is not None), None)
+    measured = "" if err is None else f" (its output's relative error {err:.1e})"
+    at = f" {finding.op}" + (f" ({finding.line})" if finding.line else "")
+    return (f"{describe(model.get_submodule(fqn), fqn)}{style} computes other numbers than one "
+            f"device{measured}; tpfn.check names the op:{at}: {finding.why}")
+
+
+def _laid_out(ranks: list, trace) -> None:
+    """Each module's inputs and outputs that no style lays out, in the layouts the analysis
+    gives them (a partial sum handed on through modules outside the plan is summed)."""
+    for r in ranks:
+        for fqn, calls in r["seen"].items():
+            for i, (ins, outs) in enumerate(calls):
+                for side, known in ((ins, trace.arrivals.get(fqn, [])), (outs or [], trace.layouts.get(fqn, []))):
+                    given = known[i] if i < len(known) else []
+                    for j, (local, layout) in enumerate(side):
+                        if layout is None and j < len(given) and given[j] is not None:
+                            side[j] = (local, given[j])
 
 
 def _check_plan(model: nn.Module, plan, n: int, exact: bool = False) -> None:
@@ -574,6 +620,7 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
             bar: Progress, exact: bool = False) -> Verification:
     args, kwargs = _inputs(example_inputs, dtype, model, seed)
     mounts = {m.fqn: m for m in resolve(plan, model)}
+    trace, findings = _analysis(model, plan, world_size, args, kwargs)
     reference, rng = copy.deepcopy(model), torch.get_rng_state()
     ref = _run(reference, *copy.deepcopy((args, kwargs)), lambda outs: _cotangents(outs, cotangent, seed))
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
@@ -596,16 +643,24 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
         return attrs.evolve(report, failure=message, trace=trace or None)
     ranks = [results[r][1] for r in range(world_size)]
     report = attrs.evolve(report, notes=_sharded_outputs(ref, ranks))
+    if trace is not None:
+        _laid_out(ranks, trace)
     checks = _checks(model, mounts, ref, ranks, exact)
     found = _culprit(checks, ref, ranks, tolerance, exact)
     bar.update(1, f"{len(checks)} modules compared")
+    wrong = [f for f in findings if f.kind == "wrong"]
     if found is None:
-        return attrs.evolve(report, checks=tuple(checks))
+        told = tuple(f"tpfn.check finds, where these numbers agree: {f}" for f in wrong)
+        return attrs.evolve(report, checks=tuple(checks), notes=report.notes + told)
     fqn, err, forward = found
     if exact:
         return attrs.evolve(report, checks=tuple(checks), culprit=fqn,
                             hint=_exact_hint(fqn, model.get_submodule(fqn), mounts, err, forward))
     partial = {} if forward else _partial_sums(ref, ranks, tolerance)
+    if wrong and not partial:  # the analysis names the op: the first it finds wrong
+        first = wrong[0]
+        return attrs.evolve(report, checks=tuple(checks), culprit=first.fqn,
+                            hint=_named(first, model, mounts, checks))
     hint = _lacking(partial, model) if partial else _hint(
         fqn, model.get_submodule(fqn), mounts, world_size, err, forward)
     return attrs.evolve(report, checks=tuple(checks), culprit=list(partial)[-1] if partial else fqn,

@@ -49,7 +49,7 @@ from tpfn.plans.refusals import refusals, tied_outside
 from tpfn.style.style import Style
 from tpfn.tree import chunks_of
 
-__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST", "INVARIANT"]
+__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST", "INVARIANT", "PROOFS"]
 
 log = logging.getLogger("tpfn")
 
@@ -61,6 +61,11 @@ it. ``tpfn.kernels`` registers them."""
 INVARIANT: dict = {}
 """The kernels of invariant mode by the same names: ``call(c)`` computes the call ``c`` in the
 canonical order (``tpfn.tree``), or raises an error naming the module; never None."""
+
+PROOFS: dict = {}
+"""What proves a plan before ``parallelize(..., check=...)`` changes anything:
+``PROOFS["check"](module, plan, world_size, example_inputs)`` raises its findings as one
+``PlanError`` (``tpfn.analysis`` registers ``tpfn.check``'s ``prove``)."""
 
 _STREAMS = itertools.count()  # numbers the bound modules' random streams, in the order they are bound
 _CALLS = threading.local()  # how many bound modules' calls this thread is inside
@@ -245,7 +250,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
                 *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True,
-                timeout: float | None = None, invariant: bool | int = False) -> nn.Module:
+                timeout: float | None = None, invariant: bool | int = False, check: object = False) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -271,6 +276,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     gradients) in one canonical order, the same at every degree: the same bits on 1, 2, 4 or 8 ranks
     (True: 8 chunks, ``tpfn.tree.CHUNKS``; a power of two: that many, at least the mesh size;
     docs/invariance.md). What it cannot order is refused by name.
+
+    ``check``: ``True``, or the example inputs of one forward, proves the plan first, op by op
+    on fake ranks (``tpfn.check``): its findings are problems of the ``PlanError`` below.
 
     Every problem (a pattern that matches nothing, a style its module cannot take, a module
     already parallelized, tied parameters placed two ways) is raised as one ``PlanError``
@@ -299,6 +307,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
                          "kernels=False runs none; leave kernels at True.")
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
+    if check is not False:
+        PROOFS["check"](module, plan, mesh.size(), None if check is True else check)
     state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)), chunks)
     try:
         return _parallelize(module, mesh, plan, src_rank, overlap, kernels, state)

@@ -172,6 +172,10 @@ def try_mount(style: Style, module: nn.Module, fqn: str, bound=(), kinds: tuple 
             if name not in names_here:
                 found.append(f"{n.core!r} at {where}: no parameter {name!r}; it has "
                              f"{', '.join(names_here) or 'none'}{near(name, names_here)}.")
+            elif name not in placements:  # a plain parameter's gradient: each rank's terms, never summed
+                found.append(f"{n.core!r} at {where} declares the gradient of {name!r} laid out "
+                             f"{dict(n.core.param_grads)[name]!r}, but the style does not place {name!r}, so "
+                             f"tpfn would never sum it; place it: params({name}=Replicate()) >> {n.core!r}.")
         inputs = Inputs(fold(inputs.slots, tuple(Slot(None, w) for w in n.core.desired), "input"),
                         inputs.kwargs, True, inputs.arity)
         shards = n.core

@@ -1,6 +1,6 @@
 """Which groups of spaces to shard over ``n`` ranks: the Megatron pairs a trace found.
 
-A group (spaces joined in one fate, ``tpfn.suggest.spaces``) is sharded when nothing broke
+A group (spaces joined in one fate, ``tpfn.analysis.spaces``) is sharded when nothing broke
 it, it ends in at least one row-wise exit, no module both makes and contracts sharded
 features, and ``n`` splits every space into whole heads: ``n`` divides each size its
 features split into (heads), or, for a space with fewer heads than ranks (KV heads), the
@@ -8,8 +8,8 @@ heads divide ``n`` and each head is held by a group of ranks (``colwise(heads=h)
 the group's other spaces split evenly. Anything else stays replicated, with the reason.
 
 >>> import torch, torch.nn as nn
->>> from tpfn.suggest.trace import follow
->>> from tpfn.suggest.hybrid import hybrid_copy
+>>> from tpfn.analysis.trace import follow
+>>> from tpfn.analysis.hybrid import hybrid_copy
 >>> mlp = hybrid_copy(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)))
 >>> chosen, refused = decide(follow(mlp, (torch.ones(2, 8),), {}), 2)
 >>> chosen[0].entries, chosen[0].exits, refused

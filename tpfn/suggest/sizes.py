@@ -3,7 +3,7 @@
 Attention code often reads its head count or width from an attribute (``self.num_heads``,
 GPT-2's ``self.split_size``, ``self.config.num_attention_heads``) and views its features by
 it; on a rank's shard that attribute must hold the rank's share. Where the ranks' check
-(``tpfn.suggest.check``) finds a module computing other shapes than its share, the
+(``tpfn.analysis.replay``) finds a module computing other shapes than its share, the
 candidates are that module's int attributes (and its config's) whose value is a size of its
 group: a space's head count or width (held ``1/n`` per rank), the KV heads held by groups of
 ranks (``heads=h``), the query heads per KV head (``per_head=h``); and the inputs the trace

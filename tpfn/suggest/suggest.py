@@ -8,9 +8,11 @@
    the trace runs again until no group breaks.
 3. Choose for each remaining linear and embedding (vocabulary-parallel embeddings, the head)
    the option of least cost (``standalone``).
-4. Run the plan on fake ranks against the trace, op by op (``check``): a group whose ranks
+4. Run the plan on fake ranks against the trace, op by op (``replay``): a group whose ranks
    would not compute their share (a view by a global head count) computes whole, and so does
-   a module whose run fails.
+   a module whose run fails; then the analysis of ``tpfn.check`` proves the plan, and a module
+   where it finds other numbers than one device's (a scale read from a local width) computes
+   its groups whole.
    That run is the dry run, forward and backward, with the collectives it issues; the plan is
    returned with notes that say why.
 """
@@ -25,6 +27,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tpfn._fqn import generalize, join, within
+from tpfn.analysis.hybrid import hybrid_copy
+from tpfn.analysis.inputs import example
+from tpfn.analysis.check import analysed
+from tpfn.analysis.replay import Failure, replay
+from tpfn.analysis.trace import follow
+from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
@@ -32,15 +40,11 @@ from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
-from tpfn.suggest.check import check
 from tpfn.suggest.choose import sequence_parallel, standalone
 from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.experts import experts
 from tpfn.suggest.groups import Refused, decide
-from tpfn.suggest.hybrid import hybrid_copy
-from tpfn.suggest.inputs import example
 from tpfn.suggest.sizes import candidates, sizes, style
-from tpfn.suggest.trace import follow
 
 __all__ = ["suggest", "sharded_share"]
 
@@ -138,14 +142,17 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
         choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine) + experts(meta, n, whole)
         extra = _extra(held, groups)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, extra)
-        failed, comms, skipped = check(meta, plan, n, args, kwargs, flow)
+        failed, comms, skipped = replay(meta, plan, n, args, kwargs, flow, observe=record)
         if failed and _look_for_sizes(failed, groups, meta, held, tried):
             continue
         if not failed and held and not minimized:
-            _fewest(held, lambda h: not check(meta, assemble(meta, flow, groups, choices, [], n, _extra(
+            _fewest(held, lambda h: not replay(meta, assemble(meta, flow, groups, choices, [], n, _extra(
                 h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
+        if not failed:  # the analysis: what no shape shows (a scale read from a local width)
+            failed = {f.fqn: Failure(f.why, f.fqn) for f in analysed(meta, plan, n, args, kwargs)[1]
+                      if f.kind == "wrong"}
         if not failed:
             break
         before = (len(excluded), len(whole))

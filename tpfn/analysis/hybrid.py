@@ -6,8 +6,9 @@ tensors such a read fails. ``hybrid_copy(module)`` copies a module with every pa
 meta (no memory, ties kept) and its buffers and tensor attributes real, on the CPU; under
 ``Hybrid()`` an op that meets a meta tensor runs on meta (its real arguments moved there), and
 one on real tensors alone computes for real. So the ids, masks and positions a forward
-derives from its inputs keep their values, and everything the weights touch is a shape.
-Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
+derives from its inputs keep their values, and everything the weights touch is a shape (a
+tensor of more than ``LARGEST`` elements made for a meta one, a long sequence's causal mask,
+stays a shape too). Inputs that need a gradient are meta (autograd hands a gradient back on its input's device).
 A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from then on, and
 counts as meta wherever it is read.
 
@@ -25,29 +26,59 @@ True
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
-from tpfn._torch import TorchDispatchMode, grouped_mm_op
-from tpfn.dryrun.explain import meta_copy
+from tpfn._fqn import join
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
 
-__all__ = ["Hybrid", "hybrid_copy", "real"]
+__all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real", "LARGEST"]
 
 _GROUPED_MM = grouped_mm_op()
 
 
-def hybrid_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module, *, values: bool = False, who: str = "explain") -> nn.Module:
+    """A deep copy whose parameters, buffers and tensor attributes are meta tensors (ties kept);
+    ``values``: its buffers and tensor attributes real, copied to the CPU (meta ones stay meta).
+    ``who``: the caller, for the error a DTensor raises."""
+    memo: dict = {}
+    for fqn, sub in module.named_modules():
+        for name, value in itertools.chain(parameters_of(sub).items(), buffers_of(sub).items(),
+                                           vars(sub).items()):
+            if not isinstance(value, torch.Tensor) or id(value) in memo:
+                continue
+            if isinstance(value, DTensor):
+                raise ValueError(
+                    f"{join(fqn, name)!r} is already a DTensor: {who} takes the module as it is "
+                    "before parallelize (build it on the meta device if it is big).")
+            if values and not isinstance(value, nn.Parameter) and not value.is_meta:
+                memo[id(value)] = value.detach().to("cpu", copy=True)
+                continue
+            meta = torch.empty_like(value, device="meta")
+            memo[id(value)] = nn.Parameter(meta, value.requires_grad) if isinstance(
+                value, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def hybrid_copy(module: nn.Module, who: str = "suggest") -> nn.Module:
     """A deep copy whose parameters are meta tensors (ties kept) and whose buffers and tensor
-    attributes are CPU copies (meta ones stay meta)."""
-    return meta_copy(module, values=True, who="suggest")
+    attributes are CPU copies (meta ones stay meta); ``who``: the caller, for errors."""
+    return meta_copy(module, values=True, who=who)
 
 
 def real(x):
-    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient."""
+    """``x`` (a tensor) as a dry run takes it: a CPU copy, or meta where it needs a gradient
+    (or where it is meta: no values)."""
     if not isinstance(x, torch.Tensor):
         return x
-    if x.requires_grad:
-        return torch.empty_like(x, device="meta").requires_grad_()
+    if x.requires_grad or x.is_meta:
+        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
     return x.detach().to("cpu", copy=True)
 
 
@@ -62,6 +93,8 @@ def _tensors(x) -> list:
 
 
 def _to_meta(x):
+    if isinstance(x, DTensor):
+        return x if x.is_meta else meta_like(x)
     if isinstance(x, torch.Tensor):
         return x if x.is_meta else x.to("meta")
     if isinstance(x, (tuple, list)):
@@ -73,7 +106,27 @@ def _to_meta(x):
 
 # Ops whose values do not depend on their tensor argument's: made real where it is meta (a mask
 # of ones shaped like the embeddings). Uninitialized ones stay meta: a forward fills them.
+LARGEST = 1 << 22  # the most elements a tensor made on meta's behalf is made real with (4M)
 _SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
+
+
+class _Whole(TorchFunctionMode):
+    """An attention of meta queries, keys and values computes on meta throughout: the masks
+    torch builds inside it (a causal one) hold no value of the model's."""
+
+    def __init__(self, hybrid: "Hybrid"):
+        super().__init__()
+        self.hybrid = hybrid
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not any(t.is_meta for t in _tensors(args)[:3]):
+            return func(*args, **kwargs)
+        values, self.hybrid.values = self.hybrid.values, False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.hybrid.values = values
 
 
 class Hybrid(TorchDispatchMode):
@@ -84,9 +137,22 @@ class Hybrid(TorchDispatchMode):
         super().__init__()
         self.values = True
         self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
+        self.whole = _Whole(self)
+
+    def __enter__(self):
+        self.whole.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.whole.__exit__(*exc)
 
     def _meta(self, t: torch.Tensor) -> bool:
-        return t.is_meta or t.untyped_storage().data_ptr() in self.unknown
+        if t.is_meta or isinstance(t, DTensor):  # (a DTensor's values are its local tensor's)
+            return t.is_meta
+        return t.untyped_storage().data_ptr() in self.unknown
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,6 +161,9 @@ class Hybrid(TorchDispatchMode):
         meta = self.values and str(kwargs.get("device")) == "meta" or self.values and (
             name in _SHAPED and "device" not in kwargs and found and found[0].is_meta)
         if meta and (not found or name in _SHAPED):  # arange(n, device=x.device), x.new_ones(...)
+            out = func(*args, **kwargs)
+            if out.numel() > LARGEST:  # (a causal mask of long sequences: a shape, not values)
+                return out
             out = func(*args, **{**kwargs, "device": torch.device("cpu")})
             return out.zero_() if "empty" in name else out
         if name == "_to_copy" and found and (found[0].is_meta or meta):  # .to(device): stays as it is

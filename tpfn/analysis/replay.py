@@ -1,24 +1,26 @@
 """The plan on fake ranks, forward and backward: does each rank compute its share?
 
-``check(model, plan, n, args, kwargs, flow)`` parallelizes a ``hybrid_copy`` of ``model`` over
-``n`` fake ranks and runs one forward and backward seen from rank 0, recording the
-collectives (``tpfn.record``). In the forward, every op on sharded features must be the op
-the traced forward (``flow``) ran there, giving each output its local share: the whole of
-every dim the plan does not shard, ``1/n`` of each sharded space (one head of a space with
-fewer heads than ranks). An attention that views its local features by a global head count
+``replay(model, plan, n, args, kwargs, flow)`` parallelizes a ``hybrid_copy`` of ``model``
+over ``n`` fake ranks and runs one forward and backward seen from rank 0 (under
+``observe(model)``, a context that records what its caller wants: suggest's, the
+collectives). In the forward, every op on sharded features must be the op the traced
+forward (``flow``) ran there, giving each output its local share: the whole of every dim
+the plan does not shard, ``1/n`` of each sharded space (one head of a space with fewer heads
+than ranks). An attention that views its local features by a global head count
 (``view(b, -1, self.num_heads, d)``) fails here, though no shape error need follow: it
 would be wrong silently.
 
 Returns ``(failed, comms, skipped)``: ``failed`` maps a module to why, for a group that does
 not compute its share one of the modules making its features, for a run that fails the
-innermost module the plan binds around the failure; ``comms``, the collectives of the step;
+innermost module the plan binds around the failure; ``comms``, what ``observe`` gave;
 ``skipped``, why the backward did not run, or None. (A tensor the forward computed from its
-inputs, real, that took a value of the weights in place (``tpfn.suggest.hybrid``) hands
+inputs, real, that took a value of the weights in place (``tpfn.analysis.hybrid``) hands
 autograd a gradient on another device: the dry run then checks the forward alone.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -28,18 +30,17 @@ import torch.nn as nn
 
 from tpfn._fqn import generalize, within
 from tpfn._torch import TorchDispatchMode
-from tpfn.dryrun.collectives import record
-from tpfn.dryrun.explain import floats
-from tpfn.dryrun.fake import new_fake_mesh, release
-from tpfn.dryrun.lints import failing_module
+from tpfn.analysis.factors import local_shape, spaces as held_spaces
+from tpfn.analysis.fake import new_fake_mesh, release
+from tpfn.analysis.hybrid import Hybrid, hybrid_copy
+from tpfn.analysis.inputs import floats
+from tpfn.analysis.rules import step, tensors
+from tpfn.analysis.trace import kind_of
+from tpfn.analysis.where import failing_module
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
-from tpfn.suggest.factors import local_shape, spaces as held_spaces
-from tpfn.suggest.hybrid import Hybrid, hybrid_copy
-from tpfn.suggest.rules import step, tensors
-from tpfn.suggest.trace import kind_of
 
-__all__ = ["check", "Failure"]
+__all__ = ["replay", "Failure"]
 
 LOOKAHEAD = 8  # traced ops a rank's code may skip as identities at its sizes
 SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
@@ -158,11 +159,12 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
-def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True) -> tuple:
-    """``({fqn: why}, comms)`` of ``plan`` over ``n`` fake ranks against ``flow`` (see the
-    module docstring); ``failed`` is empty where every rank computes its share."""
+def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True,
+           observe=None) -> tuple:
+    """``({fqn: why}, observed, skipped)`` of ``plan`` over ``n`` fake ranks against ``flow``
+    (see the module docstring); ``failed`` is empty where every rank computes its share."""
     copy, mesh = hybrid_copy(model), new_fake_mesh(n)
-    replay = _Replay(flow, n)
+    mode = _Replay(flow, n)
     comms: list = []
     skipped = None
     try:
@@ -176,14 +178,14 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backw
             return named, [], None
         bound = {fqn for fqn, m in copy.named_modules() if mounted(m) is not None}
         for fqn, module in copy.named_modules():
-            module.register_forward_pre_hook(lambda m, a, fqn=fqn: replay.pre(fqn, m))
-            module.register_forward_hook(lambda m, a, k, o, fqn=fqn: replay.post(fqn, m, a, k, o),
+            module.register_forward_pre_hook(lambda m, a, fqn=fqn: mode.pre(fqn, m))
+            module.register_forward_hook(lambda m, a, k, o, fqn=fqn: mode.post(fqn, m, a, k, o),
                                          with_kwargs=True, always_call=True)
         try:
             hybrid = Hybrid()
-            with record(copy) as comms, hybrid, replay:
+            with (contextlib.nullcontext() if observe is None else observe(copy)) as comms, hybrid, mode:
                 out = copy(*args, **kwargs)
-                replay.done, hybrid.values = True, False
+                mode.done, hybrid.values = True, False
                 grads = [t.sum() for t in floats(out)] if backward else []
                 try:
                     if grads:
@@ -197,11 +199,11 @@ def check(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backw
             failed = failing_module(e, copy) or ""
             around = [f for f in bound if within(failed, f)]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
-            phase = "backward" if replay.done else "forward"
+            phase = "backward" if mode.done else "forward"
             why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
                    f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             for fqn in [max(around, key=len)] if around else inside or [failed]:
-                replay.failed.setdefault(fqn, Failure(why, failed))
+                mode.failed.setdefault(fqn, Failure(why, failed))
     finally:
         release(mesh)
-    return replay.failed, list(comms), skipped
+    return mode.failed, list(comms or ()), skipped

@@ -1,4 +1,4 @@
-"""How each ATen op carries its inputs' sharded dims (``tpfn.suggest.factors``) to its outputs.
+"""How each ATen op carries its inputs' sharded dims (``tpfn.analysis.factors``) to its outputs.
 
 ``carry(func, args, kwargs, out, held, spaces)`` returns the dims of each output tensor of one
 op, or raises ``Broken`` where the op would need a sharded space's features whole: a
@@ -12,8 +12,8 @@ tensor that holds one value everywhere (zeros made with a head count) may meet s
 features: whether each rank makes it its share is what the ranks' check sees.
 
 >>> import torch
->>> from tpfn.suggest.factors import tag
->>> from tpfn.suggest.spaces import Spaces
+>>> from tpfn.analysis.factors import tag
+>>> from tpfn.analysis.spaces import Spaces
 >>> spaces = Spaces()
 >>> q = spaces.new("q", 32)
 >>> x = torch.empty(2, 16, 32, device="meta")
@@ -34,7 +34,7 @@ import attrs
 import torch
 
 from tpfn._torch import argument_names, functional_overload
-from tpfn.suggest.factors import (
+from tpfn.analysis.factors import (
     REPEAT, Broken, expand, form, permute, plain, size, spaces as held_spaces, view,
 )
 

@@ -1,7 +1,7 @@
 """One traced forward on meta tensors: where each linear's output features go.
 
 ``follow(model, args, kwargs)`` runs ``model`` (a ``hybrid_copy``: parameters on meta) under a
-dispatch mode that follows every ATen op (``tpfn.suggest.rules``) and module hooks that see
+dispatch mode that follows every ATen op (``tpfn.analysis.rules``) and module hooks that see
 each linear and embedding as one step (their inner ops are theirs). A linear or embedding
 computing from a replicated input makes a space of its output features; a linear whose
 input's last dim is a space contracts it (an exit). Everything else an op does with a space
@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode
-from tpfn.dryrun.lints import failing_module
 from tpfn.plans.kinds import TABLE
-from tpfn.suggest.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
-from tpfn.suggest.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
-from tpfn.suggest.rules import Input, carry, filled, step, tensors
-from tpfn.suggest.spaces import Spaces
+from tpfn.analysis.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
+from tpfn.analysis.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
+from tpfn.analysis.rules import Input, carry, filled, step, tensors
+from tpfn.analysis.spaces import Spaces
+from tpfn.analysis.where import failing_module
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
 
