@@ -20,7 +20,7 @@ import re
 
 from benchmarks.common import ROOT, machine
 
-ALL = ("hook_overhead", "step_time", "overlap_probe", "communication", "parallelize_time", "llama70b", "memory",
+ALL = ("hook_overhead", "step_time", "invariance", "overlap_probe", "communication", "parallelize_time", "llama70b", "memory",
        "pretrained_memory")
 DOC = os.path.join(ROOT, "docs", "performance.md")
 

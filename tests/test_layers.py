@@ -15,7 +15,7 @@ ROOT = pathlib.Path(tpfn.__file__).parent
 FLOORS = [
     {"tpfn.errors", "tpfn._fqn", "tpfn._torch", "tpfn.rng"},
     {"tpfn.layout"},
-    {"tpfn.algebra", "tpfn.bounded"},
+    {"tpfn.tree", "tpfn.algebra", "tpfn.bounded"},
     {"tpfn.style"},
     {"tpfn.plans"},
     {"tpfn.interpret"},

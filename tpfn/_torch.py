@@ -292,18 +292,25 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, options):
     return group._reduce_scatter_base(out, x, options)
 
 
+def all_to_all_into(out: torch.Tensor, x: torch.Tensor, group, options):
+    """Start sending chunk ``s`` of ``x`` (equal chunks of dim 0) to rank ``s`` of ``group`` and
+    receiving rank ``s``'s chunk for this rank into chunk ``s`` of ``out``, with ``options``
+    (``collective_options("alltoall", ...)``); returns the work to wait on."""
+    return group.alltoall_base(out, x, [], [], options)
+
+
 # --- process groups: their backends, timeouts, stores and counts ---------------------------
 
 from torch._C._distributed_c10d import (  # noqa: E402
-    AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceScatterOptions)
+    AllgatherOptions, AllreduceOptions, AllToAllOptions, BarrierOptions, ReduceScatterOptions)
 
 _OPTIONS = {"allreduce": AllreduceOptions, "allgather": AllgatherOptions,
-            "reduce_scatter": ReduceScatterOptions, "barrier": BarrierOptions}
+            "reduce_scatter": ReduceScatterOptions, "alltoall": AllToAllOptions, "barrier": BarrierOptions}
 
 
 def collective_options(kind: str, timeout: datetime.timedelta, **fields):
     """The options of one ``kind`` of collective (``"allreduce"``, ``"allgather"``,
-    ``"reduce_scatter"``, ``"barrier"``) with its own ``timeout`` and ``fields`` (``reduceOp``)."""
+    ``"reduce_scatter"``, ``"alltoall"``, ``"barrier"``) with its own ``timeout`` and ``fields`` (``reduceOp``)."""
     options = _OPTIONS[kind]()
     options.timeout = timeout
     for name, value in fields.items():
@@ -443,6 +450,13 @@ def all_reduced(t: torch.Tensor, op: str, group) -> torch.Tensor:
     return _funcol.wait_tensor(_funcol.all_reduce(t, op, group))
 
 
+def all_to_all(t: torch.Tensor, group) -> torch.Tensor:
+    """Chunk ``s`` of ``t`` (equal chunks of dim 0) sent to rank ``s`` of ``group`` (as
+    ``all_reduced`` takes it), rank ``s``'s chunk for this rank received in chunk ``s``, as a new
+    tensor, waited on; not differentiable."""
+    return _funcol.wait_tensor(_funcol.all_to_all_single(t.contiguous(), None, None, group))
+
+
 # --- a module's own tables -----------------------------------------------------------------
 
 
@@ -490,7 +504,7 @@ def fake_ranks(mesh) -> bool:
 
 
 __all__ += [
-    "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
+    "all_to_all_into", "all_to_all", "collective_options", "backend_of", "backend_timeout", "set_backend_timeout", "collectives_issued", "group_store",
     "node_type", "argument_names", "functional_overload", "grouped_mm_op", "all_reduced", "parameters_of",
     "buffers_of", "persistent", "fake_backend", "cpu_group", "fake_ranks", "forget_default_group", "unsupported_mode",
     "batched", "CONTROL_FLOW", "unsafe_view"]
@@ -564,7 +578,15 @@ def forget_default_group() -> None:
     c10d._world = c10d._World()
 
 
+def global_offset(dt) -> tuple:
+    """Where a DTensor's local tensor begins in its global tensor, per dim."""
+    return tuple(compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)[1])
+
+
 def meta_like(dt: DTensor) -> DTensor:
     """A DTensor laid out as ``dt`` whose local tensor is a meta tensor of its local shape (a dry
     run that keeps real values where it can meets a DTensor of real values, ``tpfn.analysis.hybrid``)."""
     return DTensor(dt._local_tensor.to("meta"), dt._spec, requires_grad=dt.requires_grad)
+
+
+__all__ += ["global_offset", "meta_like"]

@@ -45,16 +45,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import tensor as _dt
 
-from tpfn._torch import (DTensorSpec, TensorMeta, all_gather_into, all_reduced, backend_of, backend_timeout,
-                         collective_options, collectives_issued, group_store, redistribute_local_tensor,
-                         reduce_scatter_into, set_backend_timeout)
+from tpfn._torch import (DTensorSpec, TensorMeta, all_gather_into, all_reduced, all_to_all, all_to_all_into, backend_of,
+                         backend_timeout, collective_options, collectives_issued, group_store,
+                         redistribute_local_tensor, reduce_scatter_into, set_backend_timeout)
 from tpfn.algebra import AllGather, AllReduce, Chunk, ReduceScatter, Split, chunk_bounds, contiguous_strides
 from tpfn.errors import CollectiveError
 from tpfn.layout import to_torch
+from tpfn.tree import total
 
 __all__ = ["DEFAULT", "seconds", "Bound", "Stalled", "failed", "collective", "announce", "all_reduce",
-           "all_gather", "barrier", "RUN", "run"]
+           "all_gather", "tree_sum", "tree_scatter", "barrier", "RUN", "TREE", "run"]
 
 DEFAULT = 600.0
 """Seconds a collective waits at most where neither ``timeout=`` nor a shorter group timeout says."""
@@ -373,6 +375,49 @@ def _reduce_scatter(x: torch.Tensor, dim: int, n: int, bound: Bound, options, wa
     return _done(out, bound.issue(reduce_scatter_into, out, flat, bound.group, options), bound, wait)
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes to the process group itself (else: simulated ranks, a dry run's meta tensors)."""
+    return type(x) is torch.Tensor and x.device.type != "meta"
+
+
+def _redistributed(x: torch.Tensor, mesh, shape: tuple, src, dst, bound: Bound) -> torch.Tensor:
+    """Local ``x`` of a tensor of global ``shape`` on the 1-D ``mesh`` moved from torch placement
+    ``src`` to ``dst`` by DTensor (simulated ranks, meta tensors), issued with the bound."""
+    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), x.dtype)
+    with bound.issuing():
+        return redistribute_local_tensor(x.contiguous(), DTensorSpec(mesh, (src,), tensor_meta=meta),
+                                         DTensorSpec(mesh, (dst,), tensor_meta=meta))
+
+
+def tree_sum(x: torch.Tensor, mesh, bound: Bound, wait: bool = True):
+    """The ranks' ``x`` summed by the canonical tree (``tpfn.tree``): each rank's ``x`` is the root
+    of its subtree; all-gathered (on 2 ranks as many bytes as an all-reduce), the roots are added
+    in the tree's order, so every rank gets the same bits as one rank adding every leaf."""
+    n, shape = mesh.size(), x.shape
+    if _plain(x):
+        flat = x.reshape(-1)
+        out = flat.new_empty(n * flat.numel())
+        work = bound.issue(all_gather_into, out, flat, bound.group, bound.options("allgather"))
+        return _done(out, work, bound, wait, lambda out: total(out.view(n, *shape).unbind(0)))
+    out = total(_redistributed(x.unsqueeze(0), mesh, (n, *shape), _dt.Shard(0), _dt.Replicate(), bound).unbind(0))
+    return out if wait else lambda: out
+
+
+def tree_scatter(x: torch.Tensor, dim: int, mesh, bound: Bound, wait: bool = True):
+    """This rank's chunk along ``dim`` of the ranks' ``x`` summed by the canonical tree: each
+    rank sends every other its chunk (an all-to-all: the bytes of a reduce-scatter), and the
+    chunks are added in the tree's order."""
+    n, dim = mesh.size(), dim % x.ndim
+    send = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # by destination
+    if _plain(x):
+        out = torch.empty_like(send)
+        work = bound.issue(all_to_all_into, out, send, bound.group, bound.options("alltoall"))
+        return _done(out, work, bound, wait, lambda out: total(out.unbind(0)))
+    with bound.issuing():
+        out = total(all_to_all(send, (mesh, 0)).unbind(0))
+    return out if wait else lambda: out
+
+
 def barrier(what: str) -> None:
     """Wait until every rank of the default group reaches it (nothing where torch.distributed
     is not initialized); a ``CollectiveError`` naming ``what`` where a rank fails or stays away."""
@@ -424,18 +469,41 @@ RUN = {AllGather: _gather, AllReduce: _sum, ReduceScatter: _scatter, Chunk: _chu
 uneven shards, packed parts, an unsupported reduction)."""
 
 
-def run(step, x: torch.Tensor, mesh, shape: tuple, bound: Bound, wait: bool = True):
+def _tree_all_reduce(step, x, mesh, shape, bound, wait):
+    return tree_sum(x, mesh, bound, wait) if step.op == "sum" else None
+
+
+def _tree_reduce_scatter(step, x, mesh, shape, bound, wait):
+    if step.op != "sum":
+        return None
+    if not _even(shape, step.dim, mesh.size()):
+        raise ValueError(f"invariant mode sums a sequence's chunks in the canonical tree, but its {shape[step.dim]} "
+                         f"positions in dim {step.dim} do not split evenly over {mesh.size()} ranks; "
+                         "pad the sequence to a multiple of the chunks")
+    return tree_scatter(x, step.dim, mesh, bound, wait)
+
+
+TREE = {AllReduce: _tree_all_reduce, ReduceScatter: _tree_reduce_scatter}
+"""The steps that sum partial sums, in invariant mode (``run(..., tree=True)``): by the canonical
+tree (``tree_sum``, ``tree_scatter``), each rank's local tensor the root of its subtree."""
+
+
+def run(step, x: torch.Tensor, mesh, shape: tuple, bound: Bound, wait: bool = True, tree: bool = False):
     """Local ``x`` of a tensor of global ``shape`` moved by the algebra's ``step`` on the 1-D
     ``mesh``, a new tensor (``x`` is never written): by its plain collective (``RUN``) waited with
     ``bound``, else (an all-to-all, uneven shards; simulated or fake ranks) by DTensor's
     redistribution, issued with the bound. ``wait=False``: a function that waits and returns it,
-    the collective left running.
+    the collective left running. ``tree``: a sum of partial sums by the canonical tree (``TREE``).
 
     >>> from torch.distributed.device_mesh import init_device_mesh
     >>> mesh = init_device_mesh("cpu", (1,))
     >>> run(AllReduce(), torch.ones(2, 3), mesh, (2, 3), Bound(mesh.get_group())).shape
     torch.Size([2, 3])
     """
+    if tree and type(step) in TREE:
+        out = TREE[type(step)](step, x, mesh, shape, bound, wait)
+        if out is not None:
+            return out
     plain = RUN.get(type(step))
     if plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
         out = plain(step, x, mesh, shape, bound, wait)

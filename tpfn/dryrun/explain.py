@@ -47,12 +47,14 @@ from tpfn.dryrun.report import Megatron, Param, Report, Row, Transition
 from tpfn.dryrun.slots import Slots, storage_of
 from tpfn.dryrun.work import count
 from tpfn.errors import PlanError
+from tpfn.interpret.invariant import caveats, problems
 from tpfn.interpret.layouts import layouts
 from tpfn.interpret.parallelize import mounted, parallelize, runtime
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.plans.mount import local_sizes
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
+from tpfn.tree import CHUNKS, chunks_of
 
 __all__ = ["explain"]
 
@@ -273,8 +275,11 @@ def _report(model, mesh, plan, n: int, shown, args, kwargs, values: dict, option
     examples = [(name, x) for name, x in described if isinstance(x, ExampleInput)]
     inputs = tuple((name, x.shape, str(x.dtype).removeprefix("torch.")) for name, x in examples)
     megatron = Megatron(blocks, _tokens(examples[0][1]), *seen[None]) if None in seen and examples else None
+    chunks = chunks_of(options.get("invariant", False))
+    bound = tuple(mounts.values())  # what invariant mode would refuse, or leave to the model
+    invariance = (*problems(dict(model.named_modules()), bound, n, chunks or CHUNKS), *caveats(bound, n))
     return Report(shown, inputs, tuple(rows), tuple(comms), tuple(lints), megatron, flows, partial, kept, work,
-                  warnings=tuple(wrong))
+                  warnings=tuple(wrong), invariance=invariance, chunks=chunks)
 
 
 def _monomial(sizes: list, runs: list, symbols: list, what: str):
@@ -350,7 +355,7 @@ def _shape(shapes: list, runs: list, symbols: list):
 def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | sympy.Symbol,
             example_inputs: object = None, dtype: torch.dtype = torch.long,
             sizes: dict | None = None, overlap: bool = True, kernels: bool = True,
-            machine: Machine | None = None) -> Report:
+            machine: Machine | None = None, invariant: bool | int = False) -> Report:
     """Dry-run ``plan`` on ``module`` over ``world_size`` fake ranks and report what happens.
 
     - ``module``: any module (on any device, or meta); it is copied to meta, never changed.
@@ -369,6 +374,9 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
     - ``machine``: a ``tpfn.dryrun.cost.Machine`` (measured by ``calibrate``, or given): the
       report then predicts a step's time on it, phase by phase (``report.step``; needs example
       inputs at numbers, not symbols).
+    - ``invariant``: as ``parallelize`` takes it: the dry run of invariant mode (its collectives
+      and bytes; docs/invariance.md). Either way ``report.invariance`` says what keeps the plan
+      from the same bits at every degree (empty: nothing).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -387,7 +395,7 @@ def explain(module: nn.Module, plan: Plan | dict | Style, *, world_size: int | s
             isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise TypeError(f"'world_size' must be a positive int or a sympy Symbol (got {world_size!r} "
                         f"that is a {type(world_size)!r}).")
-    options = {"overlap": overlap, "kernels": kernels}
+    options = {"overlap": overlap, "kernels": kernels, "invariant": invariant}
     args, kwargs = (None, None) if example_inputs is None else split_inputs(
         example_inputs, lambda x: _input(x, dtype))
     shapes = [x.shape for x in (*(args or ()), *(kwargs or {}).values()) if isinstance(x, ExampleInput)]

@@ -197,7 +197,10 @@ class Report:
     bytes of the tensors autograd saved for the backward on rank 0 (its activations; the
     model's parameters and buffers left out; None where nothing ran); ``work``: each phase's
     local work on rank 0 (``(phase, tpfn.dryrun.work.Work)`` pairs; none where nothing ran);
-    ``step``: the step time predicted on a machine (``explain(..., machine=...)``), or None.
+    ``step``: the step time predicted on a machine (``explain(..., machine=...)``), or None;
+    ``invariance``: what keeps the plan from the same bits at every degree in invariant mode
+    (what ``parallelize(..., invariant=True)`` refuses, or leaves to the model; empty: nothing);
+    ``chunks``: the chunks of invariant mode where the dry run ran in it (None: the default mode).
 
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
     >>> report = tpfn.explain(mlp, {"0": colwise(), "2": rowwise()}, world_size=4,
@@ -222,6 +225,8 @@ class Report:
     work: tuple = ()
     step: object = None  # a tpfn.dryrun.cost.StepTime
     warnings: tuple = ()
+    invariance: tuple = ()
+    chunks: int | None = None
 
     @property
     def notes(self) -> tuple:
@@ -310,6 +315,8 @@ class Report:
                 "forward": attrs.asdict(self.step.forward), "backward": attrs.asdict(self.step.backward),
                 "optimizer": self.step.optimizer, "total": self.step.total},
             "warnings": list(self.warnings),
+            "invariance": list(self.invariance),
+            "invariant_chunks": self.chunks,
         }
 
     def to_html(self, baseline: Report | None = None, *, name: str = "this plan",
@@ -346,6 +353,10 @@ class Report:
         ]
         if self.step is not None:
             out.append(("predicted step time", str(self.step)))
+        if self.chunks is not None:
+            ranks = ", ".join(str(2 ** i) for i in range(self.chunks.bit_length()))
+            out.append(("invariant mode", f"{self.chunks} chunks: the same bits on {ranks} ranks"
+                        + "".join(f"; {line}" for line in self.invariance)))
         backward = [c for c in self.comms if c.phase == "backward"]
         if backward:
             out.insert(2, ("overlapping weight gradients",

@@ -6,6 +6,8 @@ The parent process runs the unsharded model; ``world_size`` forked child process
 it takes and hands on (a local shard in the layout its style declares, a DTensor in its own); the
 parent puts the shards together and compares each module's output and each parameter's gradient
 with one device's. The first module whose inputs agree and whose output does not is named.
+``exact=True`` compares bits instead: both sides in invariant mode (``parallelize(...,
+invariant=True)``), one rank against ``world_size``, no tolerance.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tpfn.layout import Partial, Replicate, Shard, from_torch, to_torch
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.style import Style
 from tpfn.training.progress import Progress, enabled, log
+from tpfn.tree import total
 
 __all__ = ["verify", "Verification", "Check"]
 
@@ -67,7 +70,8 @@ class Check:
 
 @attrs.frozen
 class Verification:
-    """What ``verify`` found; ``ok`` when every output and gradient is within ``tolerance``.
+    """What ``verify`` found; ``ok`` when every output and gradient is within ``tolerance``
+    (``exact``: has one rank's bits in invariant mode; the tolerance is 0).
 
     ``checks`` are per module in execution order; ``culprit`` names the first module whose
     inputs agree with one device and whose output does not (or, if every output agrees, the
@@ -83,6 +87,7 @@ class Verification:
     failure: str | None = None
     notes: tuple = ()
     trace: str | None = attrs.field(default=None, repr=False)  # the failing rank's traceback
+    exact: bool = False
 
     @property
     def ok(self) -> bool:
@@ -95,11 +100,13 @@ class Verification:
         and the worst of its parameters' gradients. ``str(report)`` is ``report.text()``."""
         checked_width(width)
         shown = ", ".join(f"{name} {tuple(shape)} {dtype}" for name, shape, dtype in self.inputs)
-        lines = prose(f"tpfn.verify on {self.world_size} ranks against one device: {shown or 'no inputs'}; "
-                      f"tolerance {self.tolerance:g} (relative)", width)
+        against = ("one rank in invariant mode, bit for bit" if self.exact else
+                   f"one device: {shown or 'no inputs'}; tolerance {self.tolerance:g} (relative)")
+        lines = prose(f"tpfn.verify on {self.world_size} ranks against {against}"
+                      + (f": {shown or 'no inputs'}" if self.exact else ""), width)
         outcome = (f"FAILED: {self.failure}" if self.failure is not None else
-                   "ok: every output and parameter gradient agrees with one device" if self.ok else
-                   f"DIVERGES: {self.hint}")
+                   f"ok: every output and parameter gradient {'has its bits' if self.exact else 'agrees'} "
+                   f"{'on one rank' if self.exact else 'with one device'}" if self.ok else f"DIVERGES: {self.hint}")
         lines += prose(outcome, width)
         lines += [line for note in self.notes for line in prose(f"note: {note}", width)]
         if self.checks:
@@ -195,8 +202,9 @@ def _grads(model: nn.Module) -> dict:
     return out
 
 
-def _assemble(pieces: list, ref: torch.Tensor):
-    """The global values the ranks' pieces stand for (one per rank when replicated), or None."""
+def _assemble(pieces: list, ref: torch.Tensor, exact: bool = False):
+    """The global values the ranks' pieces stand for (one per rank when replicated), or None;
+    ``exact``: partial sums added by the canonical tree (``tpfn.tree``), as invariant mode adds them."""
     if ref is None or any(p is None for p in pieces):
         return None
     local, layout = [p[0] for p in pieces], pieces[0][1]
@@ -209,6 +217,8 @@ def _assemble(pieces: list, ref: torch.Tensor):
     if isinstance(layout, Replicate):
         return local
     if isinstance(layout, Partial):
+        if exact and layout.op == "sum":
+            return [total(local)]
         stack = torch.stack(local)
         return [{"sum": stack.sum, "avg": stack.mean, "max": stack.amax, "min": stack.amin}[layout.op](0)]
     return assemble(local, layout, tuple(ref.shape))
@@ -224,8 +234,8 @@ def _error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return err if err == err else float("inf")  # NaN: diverged
 
 
-def _worst(ranks: list, ref: torch.Tensor | None, floor: float = 0.0) -> float | None:
-    found = _assemble(ranks, ref)
+def _worst(ranks: list, ref: torch.Tensor | None, floor: float = 0.0, exact: bool = False) -> float | None:
+    found = _assemble(ranks, ref, exact)
     return None if found is None else max(_error(x, ref, floor) for x in found)
 
 
@@ -242,6 +252,7 @@ class _Job:
     kwargs: dict
     cotangents: tuple
     rng: torch.Tensor  # the CPU generator's state when the reference began
+    exact: bool = False  # in invariant mode
 
 
 def _rank_inputs(job: _Job, model: nn.Module, rank: int, n: int):
@@ -317,7 +328,7 @@ def _on_ranks(job: _Job, n: int, timeout: float) -> dict:
         torch.set_rng_state(job.rng)
         phase[0], model = "parallelize", copy.deepcopy(job.model)
         models[rank] = model
-        parallelize(model, mesh, job.plan, src_rank=None)  # the parent's weights on every rank
+        parallelize(model, mesh, job.plan, src_rank=None, invariant=job.exact)  # the parent's weights everywhere
         args, kwargs = _rank_inputs(job, model, rank, n)
         return _run(model, args, kwargs, job.cotangents, mesh, phase)
 
@@ -402,11 +413,11 @@ def _laid_out(ranks: list, trace) -> None:
                             side[j] = (local, given[j])
 
 
-def _check_plan(model: nn.Module, plan, n: int) -> None:
+def _check_plan(model: nn.Module, plan, n: int, exact: bool = False) -> None:
     """The ``PlanError`` that ``parallelize`` raises for this plan on ``n`` ranks, if any."""
     mesh = new_fake_mesh(n)
     try:
-        parallelize(copy.deepcopy(model), mesh, plan, src_rank=None)
+        parallelize(copy.deepcopy(model), mesh, plan, src_rank=None, invariant=exact)
     finally:
         release(mesh)
 
@@ -444,6 +455,20 @@ def _hint(fqn: str, module: nn.Module, mounts: dict, n: int, err: float, forward
                 "colwise(parts=k), goes to rowwise(parts=k)).")
     return (f"{head} Hint: check what its style declares (input, output and gradient layouts) "
             "against what its forward computes on each rank.")
+
+
+def _exact_hint(fqn: str, module: nn.Module, mounts: dict, err: float, forward: bool) -> str:
+    where = describe(module, fqn)
+    styled = f" ({mounts[fqn].style!r})" if fqn in mounts else ""
+    if forward:
+        return (f"{where}{styled} differs first: its inputs have one rank's bits and its output does not "
+                f"(relative error {err:.1e}): what it computes depends on the degree, a sum of the model's own "
+                "over a dim the ranks split, or an op that takes another route on the narrower operands of "
+                "more ranks; invariant mode orders tpfn's sums alone (docs/invariance.md).")
+    return (f"{where}{styled} is the last module, in execution order, whose parameter gradients' bits differ "
+            f"from one rank's (relative error {err:.1e}) while every output has them: the gradient flowing "
+            "back into it is summed in another order by the model's own code after it (a sum over query heads "
+            "of a replicated key head, an op that takes another route on narrower operands; docs/invariance.md).")
 
 
 def _floor(ref: dict) -> float:
@@ -484,7 +509,7 @@ def _lacking(partial: dict, model: nn.Module) -> str:
             f"{' and '.join(map(repr, patterns))}.")
 
 
-def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
+def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list, exact: bool = False) -> list:
     """One ``Check`` per module, in execution order (modules that did not run last)."""
     order = ref["order"] + [f for f, _ in model.named_modules() if f not in ref["seen"]]
     owner: dict = {}
@@ -498,7 +523,7 @@ def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
             for j, o in enumerate(outs or ()):
                 pieces = [(r["seen"].get(fqn) or [[None, None]] * (i + 1))[i][1] for r in ranks]
                 pieces = [p[j] if p is not None and j < len(p) else None for p in pieces]
-                errs.append(_worst(pieces, o[0]) if all(pieces) else float("inf"))
+                errs.append(_worst(pieces, o[0], exact=exact) if all(pieces) else float("inf"))
         grads = []
         for name in owner.get(fqn, ()):
             g = ref["grads"][name]
@@ -506,7 +531,7 @@ def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
             if g is None and all(p is None for p in pieces):
                 continue
             grads.append((name.rpartition(".")[2], float("inf") if g is None or not all(pieces)
-                           else _worst(pieces, g[0], floor)))
+                           else _worst(pieces, g[0], floor, exact)))
         style = mounts[fqn].style if fqn in mounts else None
         checks.append(Check(fqn, type(model.get_submodule(fqn)).__name__, style,
                             max((e for e in errs if e is not None), default=None), tuple(grads),
@@ -514,21 +539,21 @@ def _checks(model: nn.Module, mounts: dict, ref: dict, ranks: list) -> list:
     return checks
 
 
-def _inputs_agree(fqn: str, ref: dict, ranks: list, tolerance: float) -> bool:
+def _inputs_agree(fqn: str, ref: dict, ranks: list, tolerance: float, exact: bool = False) -> bool:
     for i, (ins, _) in enumerate(ref["seen"][fqn]):
         for j, x in enumerate(ins):
             pieces = [r["seen"][fqn][i][0][j] for r in ranks]
-            err = _worst(pieces, x[0])
+            err = _worst(pieces, x[0], exact=exact)
             if err is not None and not err <= tolerance:
                 return False
     return True
 
 
-def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
+def _culprit(checks: list, ref: dict, ranks: list, tolerance: float, exact: bool = False):
     """The innermost module whose inputs agree and whose output does not; else the last whose
     gradients diverge. ``(fqn, error, forward)`` or None."""
     sources = [c for c in checks if c.ran and c.output is not None and not c.output <= tolerance
-               and _inputs_agree(c.fqn, ref, ranks, tolerance)]
+               and _inputs_agree(c.fqn, ref, ranks, tolerance, exact)]
     inner = [c for c in sources if not any(o.fqn != c.fqn and within(o.fqn, c.fqn) for o in sources if o is not c)]
     if inner:
         return inner[0].fqn, inner[0].output, True
@@ -541,7 +566,7 @@ def _culprit(checks: list, ref: dict, ranks: list, tolerance: float):
 def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, *, world_size: int = 2,
            tolerance: float = TOLERANCE, dtype: torch.dtype = torch.long, seed: int = 0,
            cotangent: str = "random", timeout: float = 120.0,
-           progress: bool | None = None) -> Verification:
+           progress: bool | None = None, exact: bool = False) -> Verification:
     """Run ``plan`` on ``model`` over ``world_size`` real ranks (forked processes, gloo) and
     compare every module's output and every parameter's gradient with one device.
 
@@ -558,11 +583,16 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
       ``failure`` (its rank, module and exception), never a hang.
     - ``progress``: a bar of its three steps (one device, the ranks, the comparison); default:
       shown unless ``TPFN_PROGRESS=0`` (``tpfn.training.progress``).
+    - ``exact``: bits, not a tolerance: the plan in invariant mode (``parallelize(...,
+      invariant=True)``) on ``world_size`` ranks against the same on one rank, every output and
+      gradient equal bit for bit (docs/invariance.md), the first module whose bits differ named.
 
     >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
     >>> report = tpfn.verify(mlp, {"0": colwise(), "2": rowwise()}, (4, 8), dtype=torch.float32)
     >>> report.ok, report.checks[1].fqn, report.checks[1].output < 1e-6
     (True, '0', True)
+    >>> tpfn.verify(mlp, {"0": colwise(), "2": rowwise()}, (4, 8), dtype=torch.float32, exact=True).ok
+    True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"'model' must be an nn.Module (got {model!r} that is a {type(model)!r}).")
@@ -573,10 +603,12 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
     if not hasattr(os, "fork"):
         raise RuntimeError("verify forks its ranks, and this platform has no fork; run the plan "
                            "under torchrun and compare with one device instead.")
-    _check_plan(model, plan, world_size)
-    with Progress("verify", 3, unit="step", enabled=enabled(progress)) as bar:
+    if exact:
+        tolerance = 0.0
+    _check_plan(model, plan, world_size, exact)
+    with Progress("verify", 4 if exact else 3, unit="step", enabled=enabled(progress)) as bar:
         report = _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cotangent,
-                         timeout, bar)
+                         timeout, bar, exact)
     outcome = ("failed" if report.failure else "ok" if report.ok else
                f"diverges at {report.culprit or '<root>'!r}")
     log.info("verify: %d modules on %d ranks against one device: %s, in %.2f s",
@@ -585,7 +617,7 @@ def verify(model: nn.Module, plan: Plan | dict | Style, example_inputs: object, 
 
 
 def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cotangent, timeout,
-            bar: Progress) -> Verification:
+            bar: Progress, exact: bool = False) -> Verification:
     args, kwargs = _inputs(example_inputs, dtype, model, seed)
     mounts = {m.fqn: m for m in resolve(plan, model)}
     trace, findings = _analysis(model, plan, world_size, args, kwargs)
@@ -594,9 +626,16 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
     shown = tuple((f"input {k}" if isinstance(k, int) else repr(k), tuple(x.shape),
                    str(x.dtype).removeprefix("torch."))
                   for k, x in [*enumerate(args), *kwargs.items()] if isinstance(x, torch.Tensor))
-    report = Verification(world_size, tolerance, shown)
+    report = Verification(world_size, tolerance, shown, exact=exact)
     bar.update(1, "one device")
-    results = _on_ranks(_Job(model, plan, args, kwargs, ref["cotangents"], rng), world_size, timeout)
+    job = _Job(model, plan, args, kwargs, ref["cotangents"], rng, exact)
+    if exact:  # the reference: the plan on one rank in invariant mode (its local tensors are whole)
+        one = _on_ranks(job, 1, timeout)[0]
+        if one[0] == "error":
+            return attrs.evolve(report, failure=one[1][0], trace=one[1][1] or None)
+        ref = one[1]
+        bar.update(1, "one rank")
+    results = _on_ranks(job, world_size, timeout)
     bar.update(1, f"{world_size} ranks")
     errors = [v for s, v in results.values() if s == "error"]
     if errors:
@@ -606,14 +645,17 @@ def _verify(model, plan, example_inputs, world_size, tolerance, dtype, seed, cot
     report = attrs.evolve(report, notes=_sharded_outputs(ref, ranks))
     if trace is not None:
         _laid_out(ranks, trace)
-    checks = _checks(model, mounts, ref, ranks)
-    found = _culprit(checks, ref, ranks, tolerance)
+    checks = _checks(model, mounts, ref, ranks, exact)
+    found = _culprit(checks, ref, ranks, tolerance, exact)
     bar.update(1, f"{len(checks)} modules compared")
     wrong = [f for f in findings if f.kind == "wrong"]
     if found is None:
         told = tuple(f"tpfn.check finds, where these numbers agree: {f}" for f in wrong)
         return attrs.evolve(report, checks=tuple(checks), notes=report.notes + told)
     fqn, err, forward = found
+    if exact:
+        return attrs.evolve(report, checks=tuple(checks), culprit=fqn,
+                            hint=_exact_hint(fqn, model.get_submodule(fqn), mounts, err, forward))
     partial = {} if forward else _partial_sums(ref, ranks, tolerance)
     if wrong and not partial:  # the analysis names the op: the first it finds wrong
         first = wrong[0]

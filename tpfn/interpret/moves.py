@@ -32,6 +32,7 @@ from tpfn._torch import (DTensorSpec, HookIdentity, batched, graph_task_id, loca
 from tpfn.algebra import contiguous_strides, pullback, transition
 from tpfn.bounded import failed, run
 from tpfn.layout import Partial, Replicate, to_torch
+from tpfn.tree import total
 
 __all__ = ["program", "Move", "Moved", "move", "first_order", "view", "grad_spec", "placements", "unhooked"]
 
@@ -76,13 +77,15 @@ class Move:
     """One slot's move of a local tensor of global ``shape`` on the 1-D ``mesh`` from layout
     ``src`` to ``dst``, its gradient arriving in ``grad`` (None: it needs none) and handed back in
     ``to`` (``program``); every collective waits with ``bound``, and one that fails is named after
-    ``what`` it moves."""
+    ``what`` it moves. ``tree``: partial sums are summed by the canonical tree (invariant mode,
+    ``tpfn.tree``), each rank's local tensor the root of its subtree."""
 
-    __slots__ = ("src", "dst", "grad", "mesh", "shape", "bound", "steps", "back")
+    __slots__ = ("src", "dst", "grad", "mesh", "shape", "bound", "steps", "back", "tree", "ranks")
 
-    def __init__(self, src, dst, grad, mesh, shape: tuple, bound, to=None):
+    def __init__(self, src, dst, grad, mesh, shape: tuple, bound, to=None, tree: bool = False):
         self.src, self.dst, self.grad, self.mesh, self.shape, self.bound = src, dst, grad, mesh, shape, bound
-        self.steps, self.back = program(src, dst, grad, len(shape), to) if mesh.size() > 1 else ((), ())
+        self.ranks, self.tree = mesh.size(), tree
+        self.steps, self.back = program(src, dst, grad, len(shape), to) if self.ranks > 1 else ((), ())
 
     def run(self, x: torch.Tensor, what: str, steps=None, wait: bool = True):
         """``x`` moved by ``steps`` (by default the forward's), a new tensor; ``wait=False``: a
@@ -90,8 +93,8 @@ class Move:
         steps = self.steps if steps is None else steps
         try:
             for step in steps[:-1]:
-                x = run(step, x, self.mesh, self.shape, self.bound)
-            done = run(steps[-1], x, self.mesh, self.shape, self.bound, wait)
+                x = run(step, x, self.mesh, self.shape, self.bound, tree=self.tree)
+            done = run(steps[-1], x, self.mesh, self.shape, self.bound, wait, self.tree)
         except RuntimeError as error:
             raise self._failed(what, steps, error) from error
         if wait:
@@ -135,8 +138,10 @@ class _Move(torch.autograd.Function):
         if grad is not None:
             grad = move.pulled(grad, ctx.what)
         if handed is not None:  # partial sums a fast kernel handed over: reduced once, with the rest
-            back = program(move.src, move.dst, _PARTIAL, len(move.shape))[1]
-            part = move.run(handed, f"the gradient of {ctx.what}", back)
+            if isinstance(handed, list):  # invariant mode: this rank's leaves, one sum per leaf
+                handed = total(handed)
+            back = program(move.src, move.dst, _PARTIAL, len(move.shape))[1] if move.ranks > 1 else ()
+            part = move.run(handed, f"the gradient of {ctx.what}", back) if back else handed
             grad = part if grad is None else grad + part
         return grad, None, None, None
 
@@ -161,11 +166,19 @@ class Moved:
         return node
 
     @staticmethod
-    def hand(node, partial: torch.Tensor) -> None:
-        """Hand ``node`` a partial sum of its output's gradient, summed with the others it gets."""
+    def hand(node, partial) -> None:
+        """Hand ``node`` a partial sum of its output's gradient, summed with the others it gets; in
+        invariant mode a list, this rank's leaves of the canonical tree (``tpfn.tree``), each
+        summed with the same leaf of the others (the kernels made them: summed where they lie)."""
         task = graph_task_id()
         held = node.handed.get(task)
-        node.handed[task] = partial if held is None else held + partial
+        if held is None:
+            node.handed[task] = partial
+        elif isinstance(held, list):
+            for mine, theirs in zip(held, partial):
+                mine.add_(theirs)
+        else:
+            node.handed[task] = held + partial
 
 
 def move(x: torch.Tensor, src, dst, grad, shape: tuple, what: str, rt, *, to=None, node: bool = False):
@@ -179,8 +192,8 @@ def move(x: torch.Tensor, src, dst, grad, shape: tuple, what: str, rt, *, to=Non
     m = rt.move(src, dst, grad, tuple(shape), x.dtype, to)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return m.run(x, what) if m.steps else x
-    if not (m.steps or m.back or node and m.grad is not None and m.mesh.size() > 1):
-        return x
+    if not (m.steps or m.back or node and m.grad is not None and (m.ranks > 1 or m.tree)):
+        return x  # (in invariant mode one rank too sums its readers' leaves on the replica's node)
     # Always through _Move: functional collectives differentiate themselves otherwise
     # (an all-reduce's gradient would be all-reduced again).
     out = _Move.apply(x, m, what, node)

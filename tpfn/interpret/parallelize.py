@@ -37,6 +37,7 @@ from tpfn._torch import (CONTROL_FLOW, buffers_of, current_mesh, has_pre_hook, m
 from tpfn.algebra import cotangent, unpackable
 from tpfn.bounded import Bound, announce, seconds
 from tpfn.errors import ModuleError, PlanError, module_error
+from tpfn.interpret.invariant import caveats, problems, sums_positions
 from tpfn.interpret.moves import Move
 from tpfn.interpret.prepare import local_value, placed_tensor, shard_params
 from tpfn.interpret.reference import Call, param_slots, reference
@@ -46,8 +47,9 @@ from tpfn.plans.mount import Mount, local_sizes
 from tpfn.plans.plan import Plan, resolve
 from tpfn.plans.refusals import refusals, tied_outside
 from tpfn.style.style import Style
+from tpfn.tree import chunks_of
 
-__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST", "PROOFS"]
+__all__ = ["parallelize", "mounted", "runtime", "Runtime", "FAST", "INVARIANT", "PROOFS"]
 
 log = logging.getLogger("tpfn")
 
@@ -55,6 +57,10 @@ FAST: dict = {}
 """The fast kernels by the name a row gives them (``Meaning.fast``): ``call(c)`` computes the call
 ``c`` (a ``tpfn.interpret.reference.Call``), or returns None for the reference route to compute
 it. ``tpfn.kernels`` registers them."""
+
+INVARIANT: dict = {}
+"""The kernels of invariant mode by the same names: ``call(c)`` computes the call ``c`` in the
+canonical order (``tpfn.tree``), or raises an error naming the module; never None."""
 
 PROOFS: dict = {}
 """What proves a plan before ``parallelize(..., check=...)`` changes anything:
@@ -73,12 +79,15 @@ class Runtime:
     a checkpoint's early stop, is no error). Inside, ``fast(call)`` (the kernel its row names),
     else ``reference(call)``. ``state`` is what the parallelized model shares; ``cache`` keeps
     this module's moves and gradient specs; ``partial`` watches its parameters whose gradients
-    are partial sums until the end of the backward."""
+    are partial sums until the end of the backward. In invariant mode ``tree`` is the number of
+    chunks of the canonical tree (``tpfn.tree``; None: the default mode) and ``tokens`` whether the
+    reference route runs it per chunk of the sequence (``tpfn.interpret.invariant``)."""
 
     def __init__(self, mount: Mount, mesh, state: State, module: nn.Module, overlap: bool = True, fast=None):
         self.mount, self.mesh, self.state, self.module = mount, mesh, state, module
-        self.overlap, self.fast = overlap, fast
+        self.overlap, self.fast, self.tree = overlap, fast, state.tree
         self.forward, self.cache = module.forward, {}
+        self.tokens = state.tree is not None and sums_positions(mount)
         shards = mount.shards
         self.grads = tuple(  # the layout of each input's gradient: as it computes, else the cotangent
             shards.grads[i] if shards is not None and i < len(shards.desired) and shards.desired[i] is not None
@@ -87,8 +96,9 @@ class Runtime:
         self.placed = tuple(_placed(module, mount.fqn, name, layout) for name, layout in mount.params
                             if isinstance(placed_tensor(module, name), DTensor))
         self.seen = [None] * len(self.placed)  # the tensors found laid out as placed
-        self.partial = PartialGrads(None if state.bound is None else state.bound.seconds)
-        for name, layout in (shards.param_grads if shards is not None else ()):
+        self.partial = PartialGrads(None if state.bound is None else state.bound.seconds, state.tree is not None)
+        whole = state.tree is not None and fast is not None  # (invariant kernels: their heads' gradients summed)
+        for name, layout in (shards.param_grads if shards is not None and not whole else ()):
             if isinstance(layout, Partial):  # partial sums, summed at the end of a backward through its output
                 self.partial.watch(module, name, join(mount.fqn, name))  # (frozen or not: it may be unfrozen)
         self.sizes = tuple((*path.rpartition(".")[::2], *v) for path, *v in local_sizes(mount, module, mesh.size())[0])
@@ -103,7 +113,8 @@ class Runtime:
         key = (src, dst, grad, rank_sizes(shape), dtype, to)  # (sizes that differ by simulated rank: hashable)
         found = self.cache.get(key)
         if found is None:
-            found = self.cache[key] = Move(src, dst, grad, self.mesh, shape, self.state.bound, to)
+            found = self.cache[key] = Move(src, dst, grad, self.mesh, shape, self.state.bound, to,
+                                           self.tree is not None)
         return found
 
     def __call__(self, *args, **kwargs):
@@ -239,7 +250,7 @@ def _placements(modules: dict, mounts: tuple, n: int) -> tuple:
 
 def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | dict | Style | None = None,
                 *, src_rank: int | None = 0, overlap: bool = True, kernels: bool = True,
-                timeout: float | None = None, check: object = False) -> nn.Module:
+                timeout: float | None = None, invariant: bool | int = False, check: object = False) -> nn.Module:
     """Parallelize ``module`` over the 1-D ``mesh`` as ``plan`` says; returns ``module``.
 
     ``mesh`` defaults to that of the enclosing ``with mesh:`` block, as in PyTorch's
@@ -260,7 +271,11 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     transfer on; None takes the process group's timeout, at most 10 minutes. A collective that
     fails or passes it raises a ``CollectiveError`` naming it, its slot and the ranks that had not
     reached it, and an error raised in a bound module stops the ranks waiting for this one at once
-    (``tpfn.bounded``; docs/errors.md).
+    (``tpfn.bounded``; docs/errors.md). ``invariant``: every sum over a dim the ranks split (a
+    row-wise linear's, a column-wise one's input gradient, a sequence-parallel norm's parameter
+    gradients) in one canonical order, the same at every degree: the same bits on 1, 2, 4 or 8 ranks
+    (True: 8 chunks, ``tpfn.tree.CHUNKS``; a power of two: that many, at least the mesh size;
+    docs/invariance.md). What it cannot order is refused by name.
 
     ``check``: ``True``, or the example inputs of one forward, proves the plan first, op by op
     on fake ranks (``tpfn.check``): its findings are problems of the ``PlanError`` below.
@@ -276,6 +291,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     >>> mlp = tpfn.parallelize(mlp, mesh, {"0": tpfn.colwise(), "2": tpfn.rowwise()})
     >>> mlp[0].weight.placements, mlp(torch.ones(2, 8)).shape
     ((Shard(dim=0),), torch.Size([2, 8]))
+    >>> same = tpfn.parallelize(nn.Linear(8, 8), mesh, tpfn.rowwise(), invariant=True)  # any degree, one bit pattern
     """
     for flag, value in (("overlap", overlap), ("kernels", kernels)):
         if not isinstance(value, bool):
@@ -285,11 +301,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh | None = None, plan: Plan | 
     if plan is None:
         raise TypeError("parallelize needs a plan: a dict of FQN pattern -> style, a tpfn.plan(...), "
                         "or one style for the module itself (PyTorch plans: tpfn.from_torch(plan)).")
+    chunks = chunks_of(invariant)
+    if chunks is not None and not kernels:
+        raise ValueError("invariant=True computes every linear with its kernel in the canonical order, and "
+                         "kernels=False runs none; leave kernels at True.")
     mesh = current_mesh() if mesh is None else mesh
     _check_mesh(mesh, src_rank)
     if check is not False:
         PROOFS["check"](module, plan, mesh.size(), None if check is True else check)
-    state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)))
+    state = State(Bound(mesh.get_group(), mesh.device_type, seconds(timeout)), chunks)
     try:
         return _parallelize(module, mesh, plan, src_rank, overlap, kernels, state)
     except BaseException as error:  # a rank that raises alone: the others stop at once
@@ -313,6 +333,8 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
     found += [f"{m.style!r} at {m.where}: {why}" for m, why in fits if why]
     found += [why for m in bound for why in local_sizes(m, modules[m.fqn], mesh.size())[1]]
     found += refusals(modules, bound, mesh.size())
+    if state.tree is not None:
+        found += problems(modules, bound, mesh.size(), state.tree)
     if found + tied:
         raise PlanError(found + tied)
 
@@ -329,7 +351,7 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
                     table[name] = replacement[id(param)]
     for m in bound:
         sub = modules[m.fqn]
-        fast = FAST.get(m.row.fast) if kernels and m.row is not None else None
+        fast = (FAST if state.tree is None else INVARIANT).get(m.row.fast) if kernels and m.row is not None else None
         sub.forward = Runtime(m, mesh, state, sub, overlap, fast)
         if m.params:
             sub.register_load_state_dict_pre_hook(_whole_to_shards)
@@ -342,6 +364,8 @@ def _parallelize(module, mesh, plan, src_rank, overlap: bool, kernels: bool, sta
             parent.readers += (modules[m.fqn],)
     for fqn, problem in tied_outside(modules, bound).items():
         modules[fqn].register_forward_pre_hook(functools.partial(_refused, problem))
+    for caveat in caveats(bound, mesh.size()) if state.tree is not None else ():
+        warnings.warn(caveat, stacklevel=3)
     _no_fused_paths(module)
     return module
 

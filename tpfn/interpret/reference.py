@@ -13,7 +13,9 @@ always this route).
    its row supplies (a vocabulary's mask, dropout's slice of one device's noise, a random stream
    of each rank's, attention on each rank's heads: ``tpfn.plans.kinds``), while its parameters are
    local views of their shards (``_views``; put back whatever happens); else its own forward on
-   DTensors, whose collectives DTensor issues.
+   DTensors, whose collectives DTensor issues. In invariant mode a sequence-parallel module with
+   partial parameter gradients computes once per chunk of the sequence
+   (``tpfn.interpret.invariant.by_tokens``).
 3. Each output through its slot (``Call.finish``).
 
 A sharded local tensor's global shape (seven positions are 4 and 3 on two ranks) comes from the
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from tpfn._torch import HookIdentity, buffers_of, hooked, parameters_of
 from tpfn.algebra import contiguous_strides, cotangent
 from tpfn.errors import LayoutError
+from tpfn.interpret.invariant import by_tokens
 from tpfn.interpret.moves import move, placements, unhooked, view
 from tpfn.interpret.state import Guess
 from tpfn.layout import Partial, Replicate, Shard, exact_in_torch, from_torch
@@ -118,7 +121,10 @@ def reference(call: Call):
     forward, saved = mount.row.forward, []
     try:  # on local views of its parameters' shards, the DTensor parameters put back whatever happens
         _views(rt, saved)
-        output = rt.forward(*args, **kwargs) if forward is None else forward(call, *args, **kwargs)
+        if rt.tokens:  # invariant mode: per chunk of the sequence (tpfn.interpret.invariant)
+            output = by_tokens(call, args, kwargs, saved, forward, rt.tree)
+        else:
+            output = rt.forward(*args, **kwargs) if forward is None else forward(call, *args, **kwargs)
     finally:
         for table, name, param in reversed(saved):
             table[name] = param

@@ -36,7 +36,10 @@ backward alone, keyed by its graph task and held by the engine: a backward that 
 it along, and the next one sums whatever is partial then. Accumulating a second backward's
 partial gradient onto a summed one first hands the summed one back as a partial sum
 (``_accumulating``), so that it too is one bulk all-reduce; ``autograd.grad`` accumulates
-nothing and sums nothing.
+nothing and sums nothing. In invariant mode (``tree``) the ranks' partial gradients, each the root
+of its subtree (``tpfn.interpret.invariant``), are added by the canonical tree (``tpfn.tree``):
+all-gathered, then added in its order; a summed gradient a second backward accumulates onto is
+set aside and added to the new sum after it (``_set_aside``), as one rank adds it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tpfn._torch import (DTensorSpec, WeakTensorKeyDictionary, all_reduced, graph_task_id, local_tensor, parameter,
                          per_rank, queue_callback, rank_sizes, spec_of)
-from tpfn.bounded import all_reduce, collective
+from tpfn.bounded import all_reduce, collective, tree_sum
 from tpfn.errors import LayoutError
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.moves import unhooked
@@ -211,15 +214,15 @@ def _accumulating(param, grads) -> None:
 class PartialGrads:
     """Watched parameters (a bound module's, or a model's): a backward that reaches one of its
     armed tensors sums their partial gradients at its end (``_EndOfBackward``), waiting
-    ``timeout`` seconds at most. It holds its modules weakly; a deep copy of it, made with a
-    deep copy of its modules, watches the copies."""
+    ``timeout`` seconds at most; ``tree``: by the canonical tree (invariant mode). It holds its
+    modules weakly; a deep copy of it, made with a deep copy of its modules, watches the copies."""
 
-    def __init__(self, timeout: float | None = None):
+    def __init__(self, timeout: float | None = None, tree: bool = False):
         self.watched: list = []  # (module's weak reference, name, fqn)
-        self.timeout = timeout
+        self.timeout, self.tree = timeout, tree
 
     def __deepcopy__(self, memo) -> "PartialGrads":
-        copied = memo[id(self)] = PartialGrads(self.timeout)
+        copied = memo[id(self)] = PartialGrads(self.timeout, self.tree)
         copied.watched = [(weakref.ref(copy.deepcopy(ref(), memo)), name, fqn)
                           for ref, name, fqn in self.watched if ref() is not None]
         return copied
@@ -274,7 +277,7 @@ class PartialGrads:
                 node = get_gradient_edge(param).node
                 if _HOOKED not in node.metadata:
                     node.metadata[_HOOKED] = True
-                    node.register_prehook(functools.partial(_accumulating, param))
+                    node.register_prehook(functools.partial(_set_aside if self.tree else _accumulating, param))
 
 
 _RUNNING = weakref.WeakValueDictionary()
@@ -288,6 +291,7 @@ class _EndOfBackward:
 
     def __init__(self):
         self.models: list = []
+        self.aside: dict = {}  # id(parameter) -> its summed gradient, set aside (invariant mode)
 
     @classmethod
     def running(cls) -> "_EndOfBackward":
@@ -312,17 +316,29 @@ class _EndOfBackward:
                 if _partial(grad) and id(param) not in seen:
                     seen.add(id(param))
                     groups = tuple(map(id, param.device_mesh.get_all_groups()))
-                    buckets.setdefault((groups, grad.placements, grad.dtype), []).append((param, fqn))
+                    buckets.setdefault((groups, grad.placements, grad.dtype, model.tree), []).append((param, fqn))
         timeouts = [m.timeout for m in self.models if m.timeout is not None]
-        for (_, placements, _), params in buckets.items():
-            _reduce(params, placements, max(timeouts, default=None))
+        for (_, placements, _, tree), params in buckets.items():
+            _reduce(params, placements, max(timeouts, default=None), tree, self.aside)
 
 
-def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
+def _set_aside(param, grads) -> None:
+    """Invariant mode's ``_accumulating``: before a partial gradient is added to a summed one,
+    set the summed one aside (the parameter then takes the partial one alone), to be added to
+    the new sum at the end of the backward: ``old + (sum of the ranks')``, as one rank adds."""
+    old, new = param.grad, grads[0]
+    if isinstance(old, DTensor) and _partial(new) and not _partial(old):
+        _EndOfBackward.running().aside[id(param)] = old
+        param.grad = None
+
+
+def _reduce(params: list, placements: tuple, timeout: float | None, tree: bool = False,
+            aside: dict | None = None) -> None:
     """Sum the partial gradients of ``params`` (``(parameter, fqn)``, one mesh, ``placements``
     and dtype) in one all-reduce of one flat buffer per partial mesh dim, each waiting
     ``timeout`` seconds at most, on the parameters' own mesh (a gradient an op made may name
-    another mesh over the same ranks: DTensor's caches ignore the process group)."""
+    another mesh over the same ranks: DTensor's caches ignore the process group). ``tree``: by
+    the canonical tree, and each gradient ``aside`` (by parameter) added to its sum after."""
     grads = [p.grad for p, _ in params]
     mesh = params[0][0].device_mesh
     flat = torch.cat([local_tensor(g).reshape(-1) for g in grads])
@@ -331,7 +347,9 @@ def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
         if placement.is_partial() and mesh.size(dim) > 1:
             with collective(f"the all-reduce of the partial gradients of {names} at the "
                             "end of the backward", mesh, timeout, dim) as bound:
-                if type(flat) is torch.Tensor and flat.device.type != "meta":
+                if tree:  # (invariant mode's gradients live on the 1-D mesh)
+                    flat = tree_sum(flat, mesh, bound)
+                elif type(flat) is torch.Tensor and flat.device.type != "meta":
                     flat = all_reduce(flat, "sum", bound, own=True)  # (the bucket torch.cat made)
                 else:  # a simulated rank's (LocalTensorMode) or a dry run's
                     flat = all_reduced(flat, "sum", (mesh, dim))
@@ -339,14 +357,16 @@ def _reduce(params: list, placements: tuple, timeout: float | None) -> None:
     pieces = flat.split([local_tensor(g).numel() for g in grads])
     for (param, _), grad, piece in zip(params, grads, pieces):
         spec = DTensorSpec(mesh, replicated, tensor_meta=spec_of(grad).tensor_meta)
-        param.grad = DTensor(piece.view(local_tensor(grad).shape), spec, requires_grad=False)
+        old, local = aside.pop(id(param), None) if tree else None, piece.view(local_tensor(grad).shape)
+        param.grad = DTensor(local if old is None else local_tensor(old) + local, spec, requires_grad=False)
 
 
 class State:
     """What one ``parallelize`` call's modules share: shape memory, the ``Bound`` their
-    collectives wait with (``tpfn.bounded``; None: their group's), and the ``observer`` that
-    sees each bound module's slots (None: none; ``tpfn.explain`` sets one)."""
+    collectives wait with (``tpfn.bounded``; None: their group's), the ``observer`` that
+    sees each bound module's slots (None: none; ``tpfn.explain`` sets one), and ``tree``, the
+    chunks of invariant mode's canonical tree (``tpfn.tree``; None: the default mode)."""
 
-    def __init__(self, bound=None):
+    def __init__(self, bound=None, tree: int | None = None):
         self.shapes = Shapes(timeout=None if bound is None else bound.seconds)
-        self.bound, self.observer = bound, None
+        self.bound, self.observer, self.tree = bound, None, tree

@@ -7,7 +7,9 @@ mesh in two all-reduces. The backward needs no communication at all: each rank c
 gradient of its own slice from the statistics.
 
 It is a function, not a global patch: other ``log_softmax`` calls keep their own
-gradients.
+gradients. With ``invariant=True`` the sums over the vocabulary follow the canonical tree
+(``tpfn.tree``): one sum per chunk of the classes, the chunks added in one order at every
+degree, so the loss has the same bits on 1, 2, 4 or 8 ranks (the maxima are exact in any order).
 
 >>> import torch, torch.nn.functional as F
 >>> from torch.distributed.device_mesh import init_device_mesh
@@ -28,17 +30,30 @@ from torch.distributed.tensor import DTensor
 
 from tpfn._torch import assert_async
 from tpfn.algebra import chunk_bounds
-from tpfn.bounded import all_reduce, collective
+from tpfn.bounded import all_reduce, collective, tree_sum
 from tpfn.layout import Shard, from_torch, normalize
 from tpfn.interpret.agree import agreed_shape
 from tpfn.interpret.state import Guess, recall
+from tpfn.tree import chunks_of, fits, pieces, total
 
 __all__ = ["cross_entropy"]
 
 
-def _reduce(t: torch.Tensor, op: str, mesh, what: str) -> torch.Tensor:
-    with collective(f"cross_entropy's all-reduce of {what}", mesh) as bound:
-        return all_reduce(t, op, bound)
+def _reduce(t: torch.Tensor, op: str, mesh, what: str, tree: bool = False) -> torch.Tensor:
+    """The ranks' ``t`` reduced with ``op``; ``tree``: summed by the canonical tree (``t`` the root
+    of this rank's subtree)."""
+    if tree and mesh.size() == 1:
+        return t
+    with collective(f"cross_entropy's {'all-gather' if tree else 'all-reduce'} of {what}", mesh) as bound:
+        return tree_sum(t, mesh, bound) if tree else all_reduce(t, op, bound)
+
+
+def _sum(x: torch.Tensor, chunks: int | None, n: int) -> torch.Tensor:
+    """``x.sum(-1)``, or in invariant mode (``chunks``) one sum per chunk of this rank's classes,
+    added by the canonical tree: this rank's subtree's root."""
+    if chunks is None:
+        return x.sum(-1)
+    return total(p.sum(-1) for p in pieces(x, -1, chunks // n))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -51,7 +66,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     computes it, and its gradient is ``(1 - eps) w_y (p - onehot_y) + eps / C (W p - w)``."""
 
     @staticmethod
-    def forward(ctx, x, target, weight, offset, n_classes, ignore_index, eps, mesh):
+    def forward(ctx, x, target, weight, offset, n_classes, ignore_index, eps, mesh, chunks):
         local = x.shape[-1]
         ignored = target == ignore_index
         inside = (target >= offset) & (target < offset + local) & ~ignored
@@ -60,10 +75,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = x - high.unsqueeze(-1)
         exp = shifted.exp()
         w = weight[offset:offset + local] if weight is not None else None
-        stats = [exp.sum(-1), torch.where(inside, shifted.gather(-1, picked).squeeze(-1), 0)]
+        n = mesh.size()
+        stats = [_sum(exp, chunks, n), torch.where(inside, shifted.gather(-1, picked).squeeze(-1), 0)]
         if eps:
-            stats.append((shifted * w).sum(-1) if w is not None else shifted.sum(-1))
-        stats = _reduce(torch.stack(stats), "sum", mesh, "the per-token sums")
+            stats.append(_sum(shifted * w if w is not None else shifted, chunks, n))
+        stats = _reduce(torch.stack(stats), "sum", mesh, "the per-token sums", chunks is not None)
         lse = stats[0].log()
         w_y = weight[torch.where(ignored, 0, target)] if weight is not None else 1.0
         w_total = weight.sum() if weight is not None else n_classes
@@ -85,13 +101,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         d = d.scatter_add(-1, picked, -(a * inside).unsqueeze(-1).to(d.dtype))
         if eps:
             d = d - b.unsqueeze(-1) * (w if w is not None else 1.0)
-        return d, None, None, None, None, None, None, None
+        return d, None, None, None, None, None, None, None, None
 
 
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                   size_average: None = None, ignore_index: int = -100, reduce: None = None,
                   reduction: str = "mean", label_smoothing: float = 0.0, *,
-                  mesh: DeviceMesh | None = None) -> torch.Tensor:
+                  mesh: DeviceMesh | None = None, invariant: bool | int = False) -> torch.Tensor:
     """``F.cross_entropy`` on logits sharded over the class dim, without gathering them.
 
     ``input`` is a DTensor sharded on its class dim (dim 1, or 0 for one sample: the output
@@ -101,7 +117,11 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
     (``"mean"``, ``"sum"``, ``"none"``), ``label_smoothing``. Returns a plain tensor, the same on
     every rank. Forward: two all-reduces of per-token statistics (and, for a local tensor that
     is not the very one a slot handed on, such as ``logits.flatten(0, 1)``, one all-gather of
-    the ranks' local shapes: an odd vocabulary splits unevenly); backward: none."""
+    the ranks' local shapes: an odd vocabulary splits unevenly); backward: none. ``invariant``:
+    the sums over the classes by the canonical tree, the same bits at every degree (True: 8
+    chunks of the classes; a power of two: that many; an all-gather of the per-token sums in
+    place of their all-reduce), as ``parallelize(..., invariant=True)``."""
+    chunks = chunks_of(invariant)
     if size_average is not None or reduce is not None:
         raise TypeError("cross_entropy: size_average and reduce are deprecated in torch; use reduction=.")
     if reduction not in ("mean", "sum", "none"):
@@ -143,11 +163,17 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tenso
         raise ValueError(f"cross_entropy: 'target' must hold one class index per row of the logits, shape "
                          f"{rows} (got {tuple(target.shape)}); flatten both alike: logits.flatten(0, -2) "
                          "and target.flatten().")
+    if chunks is not None:
+        why = fits(mesh.size(), chunks) or (
+            f"the {n_classes} classes do not split into {chunks} equal chunks" if n_classes % chunks else None)
+        if why is not None:
+            raise ValueError(f"cross_entropy(invariant=...): {why}; give invariant= a power of two of chunks "
+                             "that divides the classes and is at least the mesh size.")
     x = x.movedim(class_dim, -1)
     offset, _ = chunk_bounds(n_classes, mesh.size(), mesh.get_local_rank())
     losses = _VocabParallelCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), target.reshape(-1), weight, offset, n_classes,
-        ignore_index, float(label_smoothing), mesh).reshape(x.shape[:-1])
+        ignore_index, float(label_smoothing), mesh, chunks).reshape(x.shape[:-1])
     if reduction == "none":
         return losses
     if reduction == "sum":
