@@ -298,6 +298,32 @@ def test_an_in_place_op_on_a_linears_output_is_one_devices(ranks2, kernels, op, 
         assert _bad(errors) == {}
 
 
+def _hooked_then_in_place(kernels: bool, ndim: int, bias: bool) -> tuple:
+    """Whether a hook put on fc1's output before ``relu_`` runs, here and on one device (on one
+    device it runs where ATen's linear hands on a plain tensor, not where it hands on a view)."""
+    seen = []
+
+    def run(model, x):
+        def hook(module, args, out):
+            out.register_hook(lambda g: seen.append(model))
+        model.fc1.register_forward_hook(hook)
+        model(x).pow(2).sum().backward()
+        return model in seen
+
+    ref = MLP(bias, "relu_")
+    tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), {"fc1": colwise(), "fc2": rowwise()}, kernels=kernels)
+    x = torch.randn((2, 3, 5, D)[4 - ndim:], generator=torch.Generator().manual_seed(1))
+    return run(tp, x), run(ref, x)
+
+
+@KERNELS
+@pytest.mark.parametrize("ndim", [2, 3, 4])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+def test_a_hook_on_a_linears_output_changed_in_place_runs_as_on_one_device(ranks2, kernels, ndim, bias):
+    for here, one_device in ranks2.run(_hooked_then_in_place, kernels, ndim, bias, timeout=TIMEOUT):
+        assert here == one_device == (ndim == 2 or not bias)
+
+
 # 5. Checkpointing, one rank slower ----------------------------------------------------------
 
 

@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, unsafe_view, will_run
+from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, will_run
 from tpfn.algebra import shard_ranges
 from tpfn.bounded import Bound, all_reduce
 from tpfn.errors import ModuleError
 from tpfn.interpret.moves import Moved, first_order
+from tpfn.kernels.linear import shaped
 from tpfn.layout import Shard
 from tpfn.tree import leaves, pieces, total
 
@@ -154,7 +155,7 @@ def linear(x, weight, bias, move, geo: Geometry, specs: tuple, *, overlap: bool 
         if keep is not None:
             keep.append(moved)
         out = _forward(_rows(moved), local_tensor(weight), None if bias is None else local_tensor(bias), geo)
-    return out if len(lead) == 1 else unsafe_view(out, (*lead, out.shape[-1]))
+    return shaped(out, lead, bias is not None and (bool(move.steps) or x.is_contiguous()))
 
 
 def _refused(rt, x) -> str | None:

@@ -11,9 +11,10 @@ Forward: the input's move (an all-gather of a sequence shard; nothing for a repl
 ``x @ W.T + b`` on the parameters' local shards (a replicated bias divided among the ranks where
 the output is a partial sum, as the reference route divides its view), as one 2-D product whose
 rows are handed on in the input's shape as ATen's own linear hands them (a view of them for a
-contiguous 3-D input with a bias, else none autograd tracks): an in-place op on the output
-(``ReLU(inplace=True)``) and a hook on it behave as on one device. Backward: the input gradient ``g @ W``; its move back started (Megatron's f: the
-all-reduce of a replica's partial sums, the reduce-scatter of a sequence), the weight and bias
+contiguous input of 3 or more dims with a bias, else none autograd tracks): an in-place op on
+the output (``ReLU(inplace=True)``) and a hook on it behave as on one device. Backward: the
+input gradient ``g @ W``; its move back started (Megatron's f: the all-reduce of a replica's
+partial sums, the reduce-scatter of a sequence), the weight and bias
 gradients computed while it runs (``overlap``; else after it), then the wait. The reference
 route's products on the same operands.
 
@@ -41,7 +42,7 @@ from tpfn._torch import hooked, local_tensor, spec_of, tensor_observed, unsafe_v
 from tpfn.interpret.moves import Moved, first_order, grad_spec
 from tpfn.layout import Partial, Replicate
 
-__all__ = ["linear", "call"]
+__all__ = ["linear", "call", "shaped"]
 
 _WHOLE, _PARTIAL = Replicate(), Partial()
 
@@ -111,12 +112,16 @@ def linear(x, weight, bias, move, specs: tuple, *, share: int = 1, overlap: bool
         if keep is not None:
             keep.append(moved)
         out = _product(moved, weight, bias, share)
+    return shaped(out, lead, bias is not None and (bool(move.steps) or x.is_contiguous()))
+
+
+def shaped(rows: torch.Tensor, lead: tuple, views: bool) -> torch.Tensor:
+    """The product's ``rows`` in the input's shape (``lead``, then the features), as ATen's own
+    linear hands them on: for an input of 3 or more dims, contiguous with a bias (``views``), a
+    view; else none autograd tracks (what hooks and in-place ops see follows from it)."""
     if len(lead) == 1:
-        return out
-    # in the input's shape as ATen's own linear hands it on: a view for a contiguous 3-D input
-    # with a bias, else no view autograd tracks (what hooks and in-place ops see follows from it)
-    aten_views = bias is not None and len(lead) == 2 and (bool(move.steps) or x.is_contiguous())
-    return out.view(*lead, out.shape[-1]) if aten_views else unsafe_view(out, (*lead, out.shape[-1]))
+        return rows
+    return rows.view(*lead, rows.shape[-1]) if views else unsafe_view(rows, (*lead, rows.shape[-1]))
 
 
 def _autocast(device: str) -> bool:
