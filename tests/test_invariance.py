@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import tpfn
@@ -42,6 +44,23 @@ def test_the_canonical_tree_adds_alike_on_one_rank_and_on_eight():
     assert fits(3, 8) == "invariant mode needs a power of two of ranks, at most its 8 chunks, not 3"
     with pytest.raises(ValueError, match="'invariant' must be True, False or a number of chunks, a power of two"):
         chunks_of(12)
+
+
+@given(st.integers(0, 4), st.integers(0, 4), st.integers(1, 5), st.integers(0, 2 ** 16), st.data())
+def test_every_split_into_whole_subtrees_adds_the_same_bits(log_chunks, log_n, width, seed, data):
+    """The tree's law: any power of two of ranks, each adding its own leaves first, then the ranks'
+    roots by the tree, gives the bits of one rank adding every leaf; and the parts are left as
+    they were."""
+    chunks, n = 2 ** log_chunks, 2 ** min(log_n, log_chunks)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    parts = [(torch.randn(width, generator=gen) * 10.0 ** torch.randint(-6, 7, (), generator=gen)).to(dtype)
+             for _ in range(chunks)]
+    kept = [p.clone() for p in parts]
+    whole = total(parts)
+    assert torch.equal(total([total(parts[i] for i in leaves(chunks, n, r)) for r in range(n)]), whole)
+    assert all(torch.equal(a, b) for a, b in zip(parts, kept))
+    assert sorted(i for r in range(n) for i in leaves(chunks, n, r)) == list(range(chunks))
 
 
 # -- the models ----------------------------------------------------------------------------
