@@ -108,16 +108,13 @@ def reference(call: Call):
     """The module's output for ``call``, by the reference route (the module docstring)."""
     rt = call.rt
     mount = rt.mount
-    if mount.shards is None:  # on DTensors: moved by DTensor, whose collectives wait with the bound
-        args, kwargs = inputs(call.args, call.kwargs, mount.inputs, rt, mount.where)
-        if rt.state.observer is not None:
-            rt.state.observer.computes(rt, args, kwargs)
-        with contextlib.nullcontext() if torch.compiler.is_compiling() else rt.state.bound.issuing():
-            return call.finish(rt.forward(*args, **kwargs))
-    shape = call.shape()
+    shape = None if mount.shards is None else call.shape()
     args, kwargs = inputs(call.args, call.kwargs, mount.inputs, rt, mount.where, shape)
     if rt.state.observer is not None:
         rt.state.observer.computes(rt, args, kwargs)
+    if mount.shards is None:  # on DTensors: moved by DTensor, whose collectives wait with the bound
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else rt.state.bound.issuing():
+            return call.finish(rt.forward(*args, **kwargs))
     forward, saved = mount.row.forward, []
     try:  # on local views of its parameters' shards, the DTensor parameters put back whatever happens
         _views(rt, saved)
