@@ -134,7 +134,7 @@ def _llama70b():
         return LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("t", [16, 32, 64])
+@pytest.mark.parametrize("t", [16, 64])
 def test_the_llama_3_70b_shape_runs_at_more_ranks_than_kv_heads_from_its_own_plan(t):
     model = _llama70b()
     plan = tpfn.from_hf(model.tp_plan, model)  # knows the 8 KV heads: colwise(heads=8)
