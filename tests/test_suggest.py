@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpfn
+from tests import shaped
 from tests.models import one_step
 from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
@@ -549,3 +550,62 @@ def test_a_scale_read_from_a_local_width_leaves_its_pair_whole():
     assert rules.get("up") != colwise() and rules.get("down") != rowwise()   # not the pair
     assert "takes other=0.1767766952966369 on a rank where one device takes 0.125" in \
         dict(found.notes)[""]
+
+
+def test_a_lone_projection_of_heads_the_ranks_do_not_split_is_not_sharded_on_them():
+    # timm's vit_tiny: 3 heads of 64 features on 2 ranks; its qkv and proj are no pair (unbind)
+    p = tpfn.suggest(shaped.TimmViT(), 2, example_inputs=shaped.example("timm_vit_tiny"))
+    assert rules(p)["blocks.*.mlp.fc1"] == "colwise()"
+    assert not any(v.startswith("colwise") for k, v in rules(p).items() if ".attn." in k), rules(p)
+
+
+def test_a_refused_plan_names_the_modules_it_refuses_in_the_ranks_check():
+    from tpfn.analysis.hybrid import hybrid_copy
+    from tpfn.analysis.replay import replay
+    from tpfn.analysis.trace import follow
+
+    model, x = hybrid_copy(shaped.TimmViT(depth=1)), shaped.example("timm_vit_tiny")
+    gathered = plan({"blocks.0.attn.qkv": colwise() >> tpfn.prepare_out(tpfn.Replicate())})
+    failed = replay(model, gathered, 2, (x,), {}, follow(model, (x,), {}))[0]
+    assert list(failed) == ["blocks.0.attn.qkv"]
+    assert "'qkv' of 'blocks.0.attn' (TimmAttention) projects 9 heads of 64 features: the 2 ranks do not " \
+        "divide them" in failed["blocks.0.attn.qkv"].why
+
+
+def test_sparse_routing_on_meta_scores_sends_every_expert_each_token_it_may_reach():
+    p = tpfn.suggest(shaped.MoEBlock(), 2, example_inputs=shaped.example("sparse_moe"))
+    assert rules(p)["moe.experts.*.fc1"] == "colwise()" and rules(p)["moe.experts.*.fc2"] == "rowwise()"
+
+
+class TwoTowers(nn.Module):
+    """CLIP's shape: a text tower and a vision tower whose input has a default of None."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.vision = nn.Embedding(16, 8), nn.Linear(12, 8)
+
+    def forward(self, ids, pixels=None):
+        return self.text(ids).mean(1) @ self.vision(pixels.flatten(1)).T
+
+
+def test_an_input_the_forward_needs_that_was_not_given_is_named_as_missing():
+    with pytest.raises(RuntimeError, match=r"fails in '<root>': AttributeError: 'NoneType' object has no "
+                                           r"attribute 'flatten' \(the model was given None for 'pixels': an "
+                                           r"input the forward needs is missing"):
+        tpfn.suggest(TwoTowers(), 2, example_inputs=(2, 4))
+
+
+def test_models_spelled_as_their_libraries_are_at_one_devices_numbers(ranks2):
+    for name, (errors, _, _) in ranks2.run(_shaped_steps)[0].items():
+        assert max(errors.values()) < TOL, (name, {k: v for k, v in errors.items() if v >= TOL})
+
+
+def _shaped_steps():
+    from tests.ranks import mesh
+
+    found = {}
+    for name, (build, _) in shaped.MODELS.items():
+        ref, x = build(), shaped.example(name)
+        tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), tpfn.suggest(ref, 2, example_inputs=x))
+        found[name] = one_step(tp, ref, x)
+    return found

@@ -13,7 +13,10 @@ A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from 
 counts as meta wherever it is read.
 
 ``Hybrid`` also runs ``_grouped_mm`` (transformers' fused experts) on meta in any float dtype:
-its meta kernel checks the dtype a GPU kernel would need.
+its meta kernel checks the dtype a GPU kernel would need; and ``nonzero`` of a meta tensor (a
+sparse mixture of experts' ``torch.where(top_k == e)`` on meta router scores) as if every
+element were nonzero: each expert is routed every token its top-k could send it, a shape
+(torch's ``meta_nonzero_assume_all_nonzero``).
 
 >>> lin = hybrid_copy(nn.Linear(4, 8))
 >>> lin.weight.is_meta
@@ -36,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from tpfn._fqn import join
-from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, nonzero_on_meta, parameters_of
 
 __all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real", "LARGEST"]
 
@@ -138,8 +141,10 @@ class Hybrid(TorchDispatchMode):
         self.values = True
         self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
         self.whole = _Whole(self)
+        self.nonzero = nonzero_on_meta()
 
     def __enter__(self):
+        self.nonzero.__enter__()
         self.whole.__enter__()
         return super().__enter__()
 
@@ -147,7 +152,10 @@ class Hybrid(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            self.whole.__exit__(*exc)
+            try:
+                self.whole.__exit__(*exc)
+            finally:
+                self.nonzero.__exit__(*exc)
 
     def _meta(self, t: torch.Tensor) -> bool:
         if t.is_meta or isinstance(t, DTensor):  # (a DTensor's values are its local tensor's)

@@ -39,6 +39,7 @@ from tpfn.analysis.trace import kind_of
 from tpfn.analysis.where import failing_module
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.plans.plan import resolve
 
 __all__ = ["replay", "Failure"]
 
@@ -159,6 +160,20 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
+def _named(problems: list, bound: list) -> dict:
+    """``{fqn: Failure}`` of the bound modules the problems of a refused plan name: the module a
+    problem is about (``'fqn' (Kind) ...``), else each bound module it quotes, whole or as a
+    child of a module it quotes (``'qkv' of 'blocks.0.attn' (Attention)``)."""
+    out: dict = {}
+    for problem in problems:
+        first = re.match(r"'([^']*)' \(", problem)
+        quoted = set(re.findall(r"'([^']*)'", problem))
+        for fqn in [first.group(1)] if first else [
+                f for f in bound if f in quoted or f.rpartition(".")[2] in quoted and f.rpartition(".")[0] in quoted]:
+            out.setdefault(fqn, Failure(problem, fqn))
+    return out
+
+
 def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True,
            observe=None) -> tuple:
     """``({fqn: why}, observed, skipped)`` of ``plan`` over ``n`` fake ranks against ``flow``
@@ -171,8 +186,7 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
         try:
             parallelize(copy, mesh, plan, src_rank=None)
         except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
-            named = {m.group(1): Failure(p, m.group(1)) for p in e.problems
-                     for m in [re.match(r"'([^']*)' \(", p)] if m}
+            named = _named(e.problems, [m.fqn for m in resolve(plan, copy)])
             if not named:
                 raise
             return named, [], None

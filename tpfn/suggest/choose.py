@@ -20,6 +20,7 @@ from tpfn.dryrun.units import fmt_bytes, fmt_seconds
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
 from tpfn.plans.mount import try_mount
+from tpfn.plans.refusals import split_heads
 from tpfn.style.constructors import colwise, params, prepare_in, prepare_out, rowwise
 from tpfn.style.style import Style
 from tpfn.suggest.cost import cost, moved, say, seconds
@@ -134,6 +135,17 @@ def _style(option, module):
     return option.style
 
 
+def _refused(model, style, module, fqn: str, n: int) -> bool:
+    """Whether ``parallelize`` would refuse ``style`` on ``module`` over ``n`` ranks: its row
+    refuses it (an embedding whose own submodules compute), or it is a column-wise projection
+    of an attention whose heads (by the attention's ``head_dim``) the ranks do not split."""
+    mount = try_mount(style, module, fqn, (), ())
+    if isinstance(mount, list):
+        return True
+    parent = fqn.rpartition(".")[0]
+    return bool(split_heads({parent: model.get_submodule(parent)}, [mount], n))
+
+
 def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs: set, machine) -> list:
     """The cheapest option for modules that share one weight (each alone if they share none)."""
     modules = [model.get_submodule(f) for f in fqns]
@@ -141,9 +153,8 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     whole = _held(modules, [None] * len(fqns), n)[0]
     best = None
     for pick in _options(fqns, kinds, loss_parallel, outputs):
-        if any(isinstance(try_mount(_style(pick[f], module), module, f, (), ()), list)
-               for f, module in zip(fqns, modules)):
-            continue  # a row refuses it (an embedding whose own submodules compute)
+        if any(_refused(model, _style(pick[f], module), module, f, n) for f, module in zip(fqns, modules)):
+            continue
         steps = [s for f in fqns for s in _moves(calls[f], pick[f])]
         held = _held(modules, [pick[f] for f in fqns], n)[1]
         if best is None or cost(steps, held, n, machine) < cost(*best[:2], n, machine):
