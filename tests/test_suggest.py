@@ -356,6 +356,8 @@ def test_the_plan_of_a_model_is_at_one_devices_numbers_on_two_ranks(ranks2):
     # forward: the 4 pairs' exits, the embedding's gather; backward: the 4 shared replicas, and
     # the activations' partial slope gradients, summed at the end in one all-reduce
     assert found[0][1] == {"all_reduce": 4, "all_gather": 1} and found[0][2] == {"all_reduce": 5}
+    # and the plan's header says so
+    assert header(tpfn.suggest(Toy(kv_heads=2), 2, example_inputs=(2, 16)))[0] == {"all_gather": 1, "all_reduce": 9}
 
 
 def _one_step():
@@ -609,3 +611,57 @@ def _shaped_steps():
         tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), tpfn.suggest(ref, 2, example_inputs=x))
         found[name] = one_step(tp, ref, x)
     return found
+
+
+def header(p) -> tuple:
+    """The header's collectives per step by kind, and its bytes per rank."""
+    found = re.search(r"per step (.*?), ([\d.]+ \w+) per rank", comments(p))
+    return {kind: int(k) for k, kind in (x.split(" ") for x in found.group(1).split(", "))}, found.group(2)
+
+
+def explained(model, p, inputs) -> tuple:
+    from tpfn.dryrun.units import fmt_bytes
+
+    report = tpfn.explain(model, p, world_size=2, example_inputs=inputs)
+    return report.collectives, fmt_bytes(report.bytes)
+
+
+def test_a_stack_of_equal_blocks_is_checked_as_two_and_its_plan_said_of_every_block():
+    from tpfn.analysis.hybrid import hybrid_copy
+    from tpfn.analysis.repeats import distinct
+
+    deep = Toy(kv_heads=2, layers=6)
+    small, repeats = distinct(hybrid_copy(deep))
+    assert len(small.layers) == 2 and repeats.expand("layers.1.up") == [f"layers.{i}.up" for i in range(1, 6)]
+    p = tpfn.suggest(deep, 2, example_inputs=(2, 16))
+    assert p.rules == tpfn.suggest(Toy(kv_heads=2), 2, example_inputs=(2, 16)).rules
+    assert "12 groups sharded" in comments(p)
+    # every block's collectives, and the slopes' partial gradients summed at the end, as explain counts them
+    assert header(p) == explained(deep, p, (2, 16))
+
+
+def test_blocks_whose_pair_spans_two_of_them_are_each_analysed():
+    stack = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+    p = tpfn.suggest(stack, 2, example_inputs=torch.randn(4, 8))
+    assert rules(p) == {"0.0": "colwise()", "1.0": "rowwise()", "2.0": "colwise()", "3.0": "rowwise()"}
+
+
+def _t5():
+    import transformers as hf
+
+    torch.manual_seed(0)
+    config = hf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, vocab_size=64,
+                         decoder_start_token_id=0, pad_token_id=0)
+    return hf.T5ForConditionalGeneration(config).eval(), {"input_ids": (1, 16), "decoder_input_ids": (1, 16)}
+
+
+@pytest.mark.parametrize("build", [
+    lambda: (Toy(kv_heads=2, layers=3, tie=True), (2, 16)),
+    lambda: (shaped.MODELS["timm_vit_tiny"][0](), shaped.example("timm_vit_tiny")),
+    lambda: (shaped.MODELS["sparse_moe"][0](), shaped.example("sparse_moe")),
+    _t5,
+], ids=["toy", "timm_vit_tiny", "sparse_moe", "t5"])
+def test_the_header_counts_what_explain_counts_for_the_plan(build):
+    model, inputs = build()
+    p = tpfn.suggest(model, 2, example_inputs=inputs)
+    assert header(p) == explained(model, p, inputs)

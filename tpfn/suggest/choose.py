@@ -182,14 +182,16 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     return out
 
 
-def sequence_parallel(groups: list, flow, n: int, machine=None) -> str | None:
+def sequence_parallel(groups: list, flow, n: int, machine=None, weight=lambda fqn: 1) -> str | None:
     """Whether to run what lies between the pairs (norms, residual sums, dropout) on a shard of
     the sequence: each row-wise exit's all-reduce then becomes a reduce-scatter, and the next
     pair gathers the sequence back. The same bytes in twice the collectives under the ring
     model, and on a ``machine`` the same ring steps, over the links of other kinds; the note
-    says which costs less, with the figures. Suggest writes no sequence-parallel plan."""
+    says which costs less, with the figures. Suggest writes no sequence-parallel plan.
+    ``weight``: how many modules of the whole model each of ``flow``'s stands for."""
     exits = {f for g in groups for f in g.exits}
-    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3]
+    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3
+             for _ in range(weight(c.fqn))]
     if not calls:
         return None
     plain = [(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls]
