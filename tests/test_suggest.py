@@ -665,3 +665,16 @@ def test_the_header_counts_what_explain_counts_for_the_plan(build):
     model, inputs = build()
     p = tpfn.suggest(model, 2, example_inputs=inputs)
     assert header(p) == explained(model, p, inputs)
+
+
+def test_an_nn_sequential_of_blocks_is_planned_with_one_pattern_per_module_of_a_block():
+    blocks = nn.Sequential(*[shaped.TimmBlock(32, 4) for _ in range(4)])
+    p = tpfn.suggest(blocks, 2, example_inputs=torch.randn(2, 5, 32))
+    assert rules(p)["*.mlp.fc1"] == "colwise()" and rules(p)["*.mlp.fc2"] == "rowwise()"
+    assert not any(k[0].isdigit() for k in rules(p)), rules(p)
+
+
+def test_notes_name_the_children_of_an_nn_sequential_by_their_names_not_a_bare_index():
+    inner = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    p = tpfn.suggest(nn.Sequential(nn.Linear(16, 16), inner), 2, example_inputs=torch.randn(4, 16))
+    assert "over 2 ranks: *.1 (64 features) column-wise; *.3 row-wise, one all-reduce" in comments(p)

@@ -50,7 +50,10 @@ def _common(fqns) -> str:
 
 
 def _short(fqn: str, parent: str) -> str:
-    return fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else fqn
+    """``fqn`` named from ``parent``; in full where that would be a bare index (a child of an
+    ``nn.Sequential``)."""
+    short = fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else fqn
+    return fqn if short.split(".")[0].isdigit() else short
 
 
 def _replicas(names: tuple, first: str | None):
@@ -62,8 +65,10 @@ def _replicas(names: tuple, first: str | None):
 
 
 def _layers(name: str) -> str:
-    """A relative module name with its layer numbers as ``*`` (a name of one part as it is)."""
-    return generalize(name) if "." in name else name
+    """A relative module name with its layer numbers as ``*``, its own name (an
+    ``nn.Sequential``'s child's index) as it is."""
+    head, _, last = name.rpartition(".")
+    return f"{generalize(head)}.{last}" if head else name
 
 
 def _describe(group, n: int) -> str:
