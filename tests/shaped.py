@@ -1,5 +1,5 @@
 """Small models written as the libraries users bring to suggest write them (timm, torchvision,
-nanoGPT, a sparse mixture of experts), nothing downloaded: each class's forward is spelled as
+nanoGPT, torch's own ``nn.Transformer``, a sparse mixture of experts), nothing downloaded: each class's forward is spelled as
 its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
 runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
@@ -98,6 +98,19 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.norm2(x))
 
 
+class TorchTransformer(nn.Module):
+    """``nn.Transformer`` (``nn.MultiheadAttention`` in every layer), its target the input's
+    first positions, and a head (a sum of the final norm's output has no gradient)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.transformer = nn.Transformer(dim, heads, 2, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        return self.head(self.transformer(x, x[:, :5]))
+
+
 def _seeded(make):
     def build():
         torch.manual_seed(0)
@@ -108,6 +121,7 @@ def _seeded(make):
 MODELS = {
     "timm_vit_tiny": (_seeded(TimmViT), (2, 3, 32, 32)),
     "sparse_moe": (_seeded(MoEBlock), (2, 8, 32)),
+    "nn_transformer": (_seeded(TorchTransformer), (2, 8, 32)),
 }
 
 

@@ -678,3 +678,17 @@ def test_notes_name_the_children_of_an_nn_sequential_by_their_names_not_a_bare_i
     inner = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     p = tpfn.suggest(nn.Sequential(nn.Linear(16, 16), inner), 2, example_inputs=torch.randn(4, 16))
     assert "over 2 ranks: *.1 (64 features) column-wise; *.3 row-wise, one all-reduce" in comments(p)
+
+
+def test_an_nn_multihead_attention_is_sharded_on_its_heads_whole():
+    p = tpfn.suggest(shaped.TorchTransformer(), 2, example_inputs=shaped.example("nn_transformer"))
+    assert {k: v for k, v in rules(p).items() if "attn" in k} == {
+        "transformer.decoder.layers.*.multihead_attn": "colwise()", "transformer.decoder.layers.*.self_attn": "colwise()",
+        "transformer.encoder.layers.*.self_attn": "colwise()"}
+    assert rules(p)["transformer.encoder.layers.*.linear1"] == "colwise()"
+    assert "its 4 heads column-wise, out_proj row-wise, one all-reduce" in comments(p)
+    three = nn.TransformerEncoder(nn.TransformerEncoderLayer(24, 3, 48, batch_first=True), 2)
+    found = comments(tpfn.suggest(three, 2, example_inputs=torch.randn(2, 4, 24)))   # in training
+    assert "'layers.*.self_attn': left whole: its 3 heads do not split evenly over 2 ranks" in found
+    # a dropout between linear1 and linear2 draws on a shard: no pair, and the rest is returned
+    assert "'layers.*': no pair, linear1, linear2: bernoulli draws random numbers on a shard" in found

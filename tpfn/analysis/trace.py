@@ -36,9 +36,13 @@ __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
 
 def kind_of(module: nn.Module) -> str | None:
     """``"embedding"``, ``"linear"`` (a module whose ``colwise()`` row shards its output
-    features, nn.Linear and kinds like it), or None: a module the trace looks into."""
+    features, nn.Linear and kinds like it), ``"attention"`` (``nn.MultiheadAttention``, whose
+    forward reads its weights directly: one step, replicated in and out, that ``colwise()``
+    shards on its heads whole), or None: a module the trace looks into."""
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention"
     for kind, _ in TABLE["colwise"]:
         if kind not in (nn.Embedding, nn.MultiheadAttention) and isinstance(module, kind):
             return "linear"
@@ -229,6 +233,8 @@ class _Tracer(TorchDispatchMode):
         if kind is None:
             return
         self.inside -= 1
+        if kind == "attention" and isinstance(out, tuple) and out:  # (output, weights)
+            out = out[0]
         if self.inside or not isinstance(out, torch.Tensor):
             return
         x = _first_input(module, args, kwargs)
@@ -240,7 +246,9 @@ class _Tracer(TorchDispatchMode):
         dims = self.dims(x)
         held = held_spaces(dims)
         role, space = "whole", None
-        if held:
+        if held and kind == "attention":
+            self.spaces.fail(held, f"{fqn!r} (nn.MultiheadAttention) takes sharded features as its input")
+        elif held:
             last = form(dims[-1]) if kind == "linear" else None
             bad = (last is None or last[0] != 1 or held_spaces(dims[:-1])
                    or any(t == REPEAT for _, t in dims[-1]))
@@ -251,7 +259,7 @@ class _Tracer(TorchDispatchMode):
             else:
                 role, space = "exit", last[2]
                 self.spaces.exits.setdefault(space, set()).add(fqn)
-        elif fqn not in self.excluded:
+        elif fqn not in self.excluded and kind != "attention":
             role, space = "entry", self.spaces.new(fqn, out.shape[-1])
         out_dims = tag(plain(out.shape), out.dim() - 1, space) if role == "entry" else plain(out.shape)
         self.set(out, out_dims)

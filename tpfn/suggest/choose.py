@@ -1,5 +1,8 @@
 """The modules outside the Megatron pairs: embeddings, heads, lone linears, each by its cost.
 
+An ``nn.MultiheadAttention`` is a Megatron pair in one module: ``colwise()`` shards its heads
+and ``out_proj`` row-wise, wherever it mounts on the ranks (not weighed, as pairs are not).
+
 A linear or embedding that no sharded group makes or contracts takes a replicated input
 and must hand on a replicated output. It can be sharded on its own: an embedding
 vocabulary-parallel (``rowwise()``, its output all-reduced) or on its features
@@ -100,8 +103,11 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
     the sharded groups); ``outputs``: the modules whose output is the model's; ``whole``: the
     modules that compute whole, and why; ``machine``: weigh in seconds on it."""
     calls: dict = {}
+    attentions = []
     for call in flow.calls:
-        if call.fqn not in used:
+        if call.kind == "attention":
+            attentions += [] if call.fqn in attentions else [call.fqn]
+        elif call.fqn not in used:
             calls.setdefault(call.fqn, []).append(call)
     tied: dict = {}
     for fqn in calls:
@@ -112,7 +118,21 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
         kept = [f for f in fqns if f in whole]
         out += ([Choice(f, None, f"left whole: {brief(whole[kept[0]])}") for f in fqns] if kept
                 else _choose(model, fqns, calls, n, loss_parallel, outputs, machine))
-    return out
+    return out + [Choice(f, None, f"left whole: {brief(whole[f])}") if f in whole else _attention(model, f, n)
+                  for f in attentions]
+
+
+def _attention(model, fqn: str, n: int) -> Choice:
+    """An ``nn.MultiheadAttention``: ``colwise()`` (its heads sharded, ``out_proj`` row-wise:
+    a Megatron pair in one module, not weighed) where it mounts on ``n`` ranks, else whole."""
+    module = model.get_submodule(fqn)
+    mount = try_mount(colwise(), module, fqn, (), ())
+    why = mount[0] if isinstance(mount, list) else (
+        mount.row.fits(module, n) if mount.row is not None and mount.row.fits is not None else None)
+    if why:
+        return Choice(fqn, None, f"left whole: {brief(why)}")
+    return Choice(fqn, colwise(), f"over {n} ranks: its {module.num_heads} heads column-wise, out_proj "
+                                  "row-wise, one all-reduce (nn.MultiheadAttention's own forward on each rank's heads)")
 
 
 def _options(fqns: list, kinds: dict, loss_parallel: bool, outputs: set) -> list:

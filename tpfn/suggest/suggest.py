@@ -133,7 +133,9 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     plan = assemble(small, found.flow, found.groups, found.choices, found.pairs, n, found.extra, repeats)
     sharded, total = sharded_share(meta, plan)
     counts, moved = step_counts(small, found.plan, n, args, kwargs, repeats, found.comms)
-    groups = sum(repeats.weight(min(g.entries)) for g in found.groups)
+    groups = sum(repeats.weight(min(g.entries)) for g in found.groups) + sum(  # and each attention sharded whole
+        repeats.weight(c.fqn) for c in found.choices
+        if c.style is not None and isinstance(small.get_submodule(c.fqn), nn.MultiheadAttention))
     header = (f"tpfn.suggest over {n} ranks: {groups} group{'s' * (groups != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(counts)}, {fmt_bytes(moved)} per rank")
@@ -290,7 +292,7 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
     for fqn, failure in failed.items():
         why = failure.why
         mine = [g for g in groups if fqn in g.modules] or [   # or the groups inside it (its sizes held)
-            g for g in groups if any(within(m, fqn) for m in g.modules)]
+            g for g in groups if any(within(m, fqn) for m in g.modules)] or _around(fqn, groups, lone)
         if fqn not in lone and not mine:
             whole.update({f: why for f in lone if f not in whole})
         for group in mine:
@@ -299,6 +301,20 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
                                                                    group.exits, why))
         if not mine:
             whole.setdefault(fqn, why)
+
+
+def _around(fqn: str, groups: list, lone: set) -> list:
+    """The groups in the innermost module around ``fqn`` that holds any (a dropout between a
+    pair's halves), where no sharded lone module is as near."""
+    parts = fqn.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        scope = ".".join(parts[:k])
+        found = [g for g in groups if any(within(m, scope) for m in g.modules)]
+        if any(within(f, scope) for f in lone):
+            return []
+        if found:
+            return found
+    return []
 
 
 def _unmountable(model: nn.Module, groups: list, n: int) -> list:
