@@ -98,6 +98,67 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.norm2(x))
 
 
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: its width read from ``x.size()``."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head)
+        self.ln_2, self.mlp = nn.LayerNorm(n_embd), NanoMLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's ``GPT``: a ``ModuleDict`` of embeddings, blocks and the final norm, its head
+    tied to the token embedding; it takes token ids as floats (the tests ask for an input
+    gradient)."""
+
+    def __init__(self, vocab: int = 64, n_embd: int = 32, n_head: int = 4, n_layer: int = 2, block: int = 16):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, n_embd), wpe=nn.Embedding(block, n_embd),
+            h=nn.ModuleList([NanoBlock(n_embd, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(n_embd)))
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx.long().clamp(0, 63)) + self.transformer.wpe(pos) + 0 * idx[..., None]
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 class TorchTransformer(nn.Module):
     """``nn.Transformer`` (``nn.MultiheadAttention`` in every layer), its target the input's
     first positions, and a head (a sum of the final norm's output has no gradient)."""
@@ -122,9 +183,13 @@ MODELS = {
     "timm_vit_tiny": (_seeded(TimmViT), (2, 3, 32, 32)),
     "sparse_moe": (_seeded(MoEBlock), (2, 8, 32)),
     "nn_transformer": (_seeded(TorchTransformer), (2, 8, 32)),
+    "nanogpt": (_seeded(NanoGPT), (2, 8)),
 }
 
 
 def example(name: str) -> torch.Tensor:
-    """The example input of ``MODELS[name]``, seeded."""
-    return torch.randn(MODELS[name][1], generator=torch.Generator().manual_seed(1))
+    """The example input of ``MODELS[name]``, seeded (nanoGPT's: token ids, as floats)."""
+    gen = torch.Generator().manual_seed(1)
+    if name == "nanogpt":
+        return torch.randint(0, 64, MODELS[name][1], generator=gen).float()
+    return torch.randn(MODELS[name][1], generator=gen)

@@ -692,3 +692,11 @@ def test_an_nn_multihead_attention_is_sharded_on_its_heads_whole():
     assert "'layers.*.self_attn': left whole: its 3 heads do not split evenly over 2 ranks" in found
     # a dropout between linear1 and linear2 draws on a shard: no pair, and the rest is returned
     assert "'layers.*': no pair, linear1, linear2: bernoulli draws random numbers on a shard" in found
+
+
+def test_an_attention_reading_its_width_from_its_input_is_left_whole_naming_the_line():
+    p = tpfn.suggest(shaped.NanoGPT(), 2, example_inputs=shaped.example("nanogpt"))   # B, T, C = x.size()
+    assert re.search(r"'transformer.h.\*.attn': no pair, c_attn, c_proj: on a rank's shard the forward of "
+                     r"'transformer.h.\*.attn' fails at tests/shaped.py:\d+, `k = k.view\(B, T, self.n_head, "
+                     r"C // self.n_head\).transpose\(1, 2\)`", comments(p)), comments(p)
+    assert rules(p)["transformer.h.*.mlp.c_fc"] == "colwise()"

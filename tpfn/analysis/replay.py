@@ -12,7 +12,8 @@ would be wrong silently.
 
 Returns ``(failed, comms, skipped)``: ``failed`` maps a module to why, for a group that does
 not compute its share one of the modules making its features, for a run that fails the
-innermost module the plan binds around the failure; ``comms``, what ``observe`` gave;
+innermost module the plan binds around the failure (and the model's line that failed, with
+its code: a view by a width read from ``x.size()``, which no attribute held per rank fixes); ``comms``, what ``observe`` gave;
 ``skipped``, why the backward did not run, or None. (A tensor the forward computed from its
 inputs, real, that took a value of the weights in place (``tpfn.analysis.hybrid``) hands
 autograd a gradient on another device: the dry run then checks the forward alone.)
@@ -36,7 +37,7 @@ from tpfn.analysis.hybrid import Hybrid, hybrid_copy
 from tpfn.analysis.inputs import floats
 from tpfn.analysis.rules import step, tensors
 from tpfn.analysis.trace import kind_of
-from tpfn.analysis.where import failing_module
+from tpfn.analysis.where import failing_module, innermost
 from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.plans.plan import resolve
@@ -61,6 +62,7 @@ class Failure:
 
     why: str
     where: str
+    line: str = ""  # the model's line where the rank's run failed, with its code
 
 
 class _Replay(TorchDispatchMode):
@@ -214,10 +216,11 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
             around = [f for f in bound if within(failed, f)]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
             phase = "backward" if mode.done else "forward"
-            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
-                   f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            line = innermost(e, code=True)
+            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails"
+                   f"{f' at {line}' if line else ''}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             for fqn in [max(around, key=len)] if around else inside or [failed]:
-                mode.failed.setdefault(fqn, Failure(why, failed))
+                mode.failed.setdefault(fqn, Failure(why, failed, line))
     finally:
         release(mesh)
     return mode.failed, list(comms or ()), skipped

@@ -201,7 +201,8 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
         if not failed:
             return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, skipped)
         before = (len(excluded), len(whole))
-        failed = {f: attrs.evolve(x, why=tried.get(generalize(x.where), x.why)) for f, x in failed.items()}
+        failed = {f: x if x.line else attrs.evolve(x, why=tried.get(generalize(x.where), x.why))
+                  for f, x in failed.items()}  # (a line that fails says more than the first reason)
         _blame(failed, groups, excluded, pairs, whole, choices)
         if (len(excluded), len(whole)) == before:
             raise RuntimeError(f"suggest's dry run of {name} on {n} fake ranks fails where "
