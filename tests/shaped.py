@@ -1,6 +1,6 @@
-"""Small models written as the libraries users bring to suggest write them (timm, torchvision,
-nanoGPT, torch's own ``nn.Transformer``, a sparse mixture of experts), nothing downloaded: each class's forward is spelled as
-its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
+"""Small models written as the libraries users bring to suggest write them (timm, torchvision's
+ResNet and ConvNeXt, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
+mixture of experts), nothing downloaded: each class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
 runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
 
@@ -172,6 +172,147 @@ class TorchTransformer(nn.Module):
         return self.head(self.transformer(x, x[:, :5]))
 
 
+class BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock``."""
+
+    def __init__(self, planes: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn1, self.relu = nn.BatchNorm2d(planes), nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False), nn.BatchNorm2d(planes)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet, one stage of ``BasicBlock``s."""
+
+    def __init__(self, planes: int = 16, blocks: int = 2, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, planes, 7, 2, 3, bias=False)
+        self.bn1, self.relu = nn.BatchNorm2d(planes), nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(*[BasicBlock(planes) for _ in range(blocks)])
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(planes, classes)
+
+    def forward(self, x):
+        x = self.layer1(self.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class CNBlock(nn.Module):
+    """torchvision's ConvNeXt block: a depthwise 7x7 convolution, a LayerNorm and an MLP."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1, self.act, self.pwconv2 = nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 1e-6) * 1e4)
+
+    def forward(self, x):
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.pwconv2(self.act(self.pwconv1(self.norm(y)))).permute(0, 3, 1, 2)
+        return x + self.layer_scale * y
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dim: int = 32, blocks: int = 3, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, 4)
+        self.stages = nn.Sequential(*[CNBlock(dim) for _ in range(blocks)])
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class SwinAttention(nn.Module):
+    """Swin's window attention as some ports write it: its parent reads ``qkv``'s weight
+    through ``F.linear``."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.num_heads, self.qkv, self.proj = num_heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1)
+        return self.proj(x)
+
+
+class Swin(nn.Module):
+    def __init__(self, dim: int = 32, blocks: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(norm1=nn.LayerNorm(dim), attn=SwinAttention(dim),
+                                                       norm2=nn.LayerNorm(dim), mlp=Mlp(dim, 4 * dim)))
+                                    for _ in range(blocks))
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer["attn"](layer["norm1"](x))
+            x = x + layer["mlp"](layer["norm2"](x))
+        return self.head(x.mean(1))
+
+
+class MambaMixer(nn.Module):
+    """Mamba's mixer (the reference scan): ``in_proj``, a depthwise ``conv1d``, the selective
+    scan over each channel, ``out_proj``."""
+
+    def __init__(self, d_model: int = 32, d_state: int = 4, d_conv: int = 4, expand: int = 2):
+        super().__init__()
+        self.d_inner, self.d_state, self.dt_rank = expand * d_model, d_state, 4
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float()).repeat(self.d_inner, 1))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def forward(self, hidden):
+        L = hidden.shape[1]
+        x, z = self.in_proj(hidden).transpose(1, 2).chunk(2, dim=1)
+        x = F.silu(self.conv1d(x)[..., :L])
+        dt, b, c = torch.split(self.x_proj(x.transpose(1, 2)), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt)).transpose(1, 2)
+        a = -torch.exp(self.A_log)
+        h, ys = x.new_zeros(x.shape[0], self.d_inner, self.d_state), []
+        for t in range(L):
+            h = torch.exp(dt[:, :, t, None] * a) * h + dt[:, :, t, None] * b[:, None, t] * x[:, :, t, None]
+            ys.append((h * c[:, None, t]).sum(-1))
+        y = (torch.stack(ys, -1) + x * self.D[:, None]) * F.silu(z)
+        return self.out_proj(y.transpose(1, 2))
+
+
+class Mamba(nn.Module):
+    def __init__(self, d_model: int = 32, blocks: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict(dict(norm=nn.LayerNorm(d_model), mixer=MambaMixer(d_model)))
+                                    for _ in range(blocks))
+        self.head = nn.Linear(d_model, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer["mixer"](layer["norm"](x))
+        return self.head(x)
+
+
+class LSTMTagger(nn.Module):
+    """An ``nn.LSTM`` between a projection and a head."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.proj, self.lstm, self.head = nn.Linear(dim, dim), nn.LSTM(dim, 2 * dim, batch_first=True), nn.Linear(2 * dim, 10)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.proj(x))[0])
+
+
 def _seeded(make):
     def build():
         torch.manual_seed(0)
@@ -184,6 +325,11 @@ MODELS = {
     "sparse_moe": (_seeded(MoEBlock), (2, 8, 32)),
     "nn_transformer": (_seeded(TorchTransformer), (2, 8, 32)),
     "nanogpt": (_seeded(NanoGPT), (2, 8)),
+    "resnet": (_seeded(ResNet), (2, 3, 32, 32)),
+    "convnext": (_seeded(ConvNeXt), (2, 3, 32, 32)),
+    "swin": (_seeded(Swin), (2, 16, 32)),
+    "mamba": (_seeded(Mamba), (2, 6, 32)),
+    "lstm": (_seeded(LSTMTagger), (2, 6, 32)),
 }
 
 

@@ -113,9 +113,23 @@ LARGEST = 1 << 22  # the most elements a tensor made on meta's behalf is made re
 _SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
 
 
+_RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}  # torch._VF's recurrent layers
+
+
+def _shapes(x):
+    """``x`` with every real tensor a meta one of its shape (``.to("meta")`` under ``Hybrid``
+    keeps a tensor where it is)."""
+    if isinstance(x, torch.Tensor):
+        return x if x.is_meta else torch.empty_like(x, device="meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_shapes(item) for item in x)
+    return x
+
+
 class _Whole(TorchFunctionMode):
     """An attention of meta queries, keys and values computes on meta throughout: the masks
-    torch builds inside it (a causal one) hold no value of the model's."""
+    torch builds inside it (a causal one) hold no value of the model's; so does a recurrent
+    layer (``nn.LSTM``) of a meta input, its initial state (zeros, made real) moved to meta."""
 
     def __init__(self, hybrid: "Hybrid"):
         super().__init__()
@@ -123,6 +137,8 @@ class _Whole(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _RECURRENT and any(t.is_meta for t in _tensors(args)):
+            return func(*_shapes(args), **kwargs)  # (its device check runs before any op: all on meta)
         if func is not F.scaled_dot_product_attention or not any(t.is_meta for t in _tensors(args)[:3]):
             return func(*args, **kwargs)
         values, self.hybrid.values = self.hybrid.values, False

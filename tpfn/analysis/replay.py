@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 
 import attrs
 import torch
@@ -186,7 +187,9 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
     skipped = None
     try:
         try:
-            parallelize(copy, mesh, plan, src_rank=None)
+            with warnings.catch_warnings():  # an empty plan: the whole model, on purpose
+                warnings.filterwarnings("ignore", "the plan binds no module", UserWarning)
+                parallelize(copy, mesh, plan, src_rank=None)
         except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
             named = _named(e.problems, [m.fqn for m in resolve(plan, copy)])
             if not named:

@@ -46,6 +46,7 @@ from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.experts import experts
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.sizes import candidates, sizes, style
+from tpfn.suggest.unseen import unseen
 
 __all__ = ["suggest", "sharded_share", "step_counts"]
 
@@ -130,7 +131,9 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     if small is not meta and (found is None or _spans(found.groups, repeats)):
         small, repeats = meta, Repeats(repeats.fqns)  # blocks that do not stand alone: every one
         found = _derive(meta, n, args, kwargs, loss_parallel, machine, type(model).__name__)
-    plan = assemble(small, found.flow, found.groups, found.choices, found.pairs, n, found.extra, repeats)
+    bound = {m.fqn for m in resolve(found.plan, small)}
+    quiet = unseen(small, bound, {*dict(found.plan.notes), *(f for p in found.pairs for f in (*p.makers, *p.exits))})
+    plan = assemble(small, found.flow, found.groups, found.choices + quiet, found.pairs, n, found.extra, repeats)
     sharded, total = sharded_share(meta, plan)
     counts, moved = step_counts(small, found.plan, n, args, kwargs, repeats, found.comms)
     groups = sum(repeats.weight(min(g.entries)) for g in found.groups) + sum(  # and each attention sharded whole
@@ -195,7 +198,7 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
                 h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
-        if not failed:  # the analysis: what no shape shows (a scale read from a local width)
+        if not failed and plan.rules:  # the analysis: what no shape shows (a scale read from a local width)
             failed = {f.fqn: Failure(f.why, f.fqn) for f in analysed(meta, plan, n, args, kwargs)[1]
                       if f.kind == "wrong"}
         if not failed:
