@@ -30,13 +30,12 @@ that are single modules (a stack of linears and activations) are not merged.
 
 from __future__ import annotations
 
-import copy
-
 import attrs
 import torch
 import torch.nn as nn
 
 from tpfn._fqn import join, within
+from tpfn._torch import with_children
 
 __all__ = ["Repeats", "distinct"]
 
@@ -132,7 +131,7 @@ def distinct(model: nn.Module) -> tuple:
         k, stands = _kept(module)
         if k is None:
             continue
-        names = list(module._modules)  # noqa: SLF001 - the stack's own order of children
+        names = [name for name, _ in module.named_children()]
         cuts[fqn] = k
         kept.update({join(fqn, names[i]): tuple(join(fqn, names[j]) for j in js) for i, js in stands.items()})
     if not cuts:
@@ -145,9 +144,7 @@ def _cut(module: nn.Module, fqn: str, cuts: dict) -> nn.Module:
     modules off the paths to them are shared."""
     if not any(within(s, fqn) for s in cuts):
         return module
-    new = copy.copy(module)
-    children = module._modules  # noqa: SLF001
-    names = list(children)[:cuts[fqn]] if fqn in cuts else list(children)
-    new._modules = {n: children[n] if fqn in cuts else _cut(children[n], join(fqn, n), cuts)  # noqa: SLF001
-                    for n in names}
-    return new
+    children = list(module.named_children())
+    if fqn in cuts:
+        return with_children(module, dict(children[:cuts[fqn]]))
+    return with_children(module, {name: _cut(child, join(fqn, name), cuts) for name, child in children})

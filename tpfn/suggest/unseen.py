@@ -24,9 +24,15 @@ from tpfn.suggest.choose import Choice
 __all__ = ["unseen", "SHARE"]
 
 SHARE = 0.01  # the least share of the parameter bytes a module left whole is named for
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)  # noqa: SLF001
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+          nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, nn.RMSNorm)
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
-_CONVOLUTIONS = (nn.modules.conv._ConvNd,)  # noqa: SLF001
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _norm(module: nn.Module) -> bool:
+    """A norm: torch's, or one of a model's own (``LlamaRMSNorm``)."""
+    return isinstance(module, _NORMS) or type(module).__name__.endswith("Norm")
 
 
 def _why(module: nn.Module) -> str:
@@ -50,7 +56,7 @@ def unseen(model: nn.Module, bound: set, noted: set) -> list:
     out, seen = [], set(map(generalize, noted))
     for fqn, module in model.named_modules():
         pattern = generalize(fqn)
-        if not total or sizes[fqn] < SHARE * total or fqn in bound or pattern in seen or isinstance(module, _NORMS):
+        if not total or sizes[fqn] < SHARE * total or fqn in bound or pattern in seen or _norm(module):
             continue
         seen.add(pattern)
         out.append(Choice(fqn, None, f"left whole ({round(100 * sizes[fqn] / total)}% of the parameter "
