@@ -43,7 +43,7 @@ from tpfn.errors import PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.plans.plan import resolve
 
-__all__ = ["replay", "Failure"]
+__all__ = ["replay", "Failure", "named_in"]
 
 LOOKAHEAD = 8  # traced ops a rank's code may skip as identities at its sizes
 SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
@@ -163,7 +163,7 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
-def _named(problems: list, bound: list) -> dict:
+def named_in(problems: list, bound: list) -> dict:
     """``{fqn: Failure}`` of the bound modules the problems of a refused plan name: the module a
     problem is about (``'fqn' (Kind) ...``), else each bound module it quotes, whole or as a
     child of a module it quotes (``'qkv' of 'blocks.0.attn' (Attention)``)."""
@@ -191,7 +191,7 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
                 warnings.filterwarnings("ignore", "the plan binds no module", UserWarning)
                 parallelize(copy, mesh, plan, src_rank=None)
         except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
-            named = _named(e.problems, [m.fqn for m in resolve(plan, copy)])
+            named = named_in(e.problems, [m.fqn for m in resolve(plan, copy)])
             if not named:
                 raise
             return named, [], None

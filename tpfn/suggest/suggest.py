@@ -29,7 +29,7 @@ from tpfn.analysis.hybrid import hybrid_copy
 from tpfn.analysis.inputs import example
 from tpfn.analysis.check import analysed
 from tpfn.analysis.repeats import Repeats, distinct
-from tpfn.analysis.replay import Failure, replay
+from tpfn.analysis.replay import Failure, named_in, replay
 from tpfn.analysis.trace import follow
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine
@@ -135,7 +135,7 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     quiet = unseen(small, bound, {*dict(found.plan.notes), *(f for p in found.pairs for f in (*p.makers, *p.exits))})
     plan = assemble(small, found.flow, found.groups, found.choices + quiet, found.pairs, n, found.extra, repeats)
     sharded, total = sharded_share(meta, plan)
-    counts, moved = step_counts(small, found.plan, n, args, kwargs, repeats, found.comms)
+    counts, moved = step_counts(small, found.comms, found.partial, repeats)
     groups = sum(repeats.weight(min(g.entries)) for g in found.groups) + sum(  # and each attention sharded whole
         repeats.weight(c.fqn) for c in found.choices
         if c.style is not None and isinstance(small.get_submodule(c.fqn), nn.MultiheadAttention))
@@ -153,7 +153,9 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
 class _Found:
     """What the dry runs of a model found: its plan (the last the checks passed), the traced
     forward, the groups sharded, the lone modules' choices, the pairs left whole, the sizes
-    held per rank, the collectives of the ranks' check and why its backward did not run."""
+    held per rank, the collectives of one step as explain counts them (the ranks' check's
+    where explain's dry run fails and names no module) and the parameters whose gradients are
+    summed at the end of the backward, and why the check's backward did not run."""
 
     plan: Plan
     flow: object
@@ -162,6 +164,7 @@ class _Found:
     pairs: list
     extra: dict
     comms: list
+    partial: tuple
     skipped: str | None
 
 
@@ -201,8 +204,15 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
         if not failed and plan.rules:  # the analysis: what no shape shows (a scale read from a local width)
             failed = {f.fqn: Failure(f.why, f.fqn) for f in analysed(meta, plan, n, args, kwargs)[1]
                       if f.kind == "wrong"}
+        partial: tuple = ()
+        if not failed:  # explain's dry run: it takes the plan, and counts what a real step issues
+            try:
+                report = explain(meta, plan, world_size=n, example_inputs=kwargs or args)
+                comms, partial = report.comms, report.partial_grads
+            except PlanError as e:  # the modules it names compute whole (else the ranks' check's counts)
+                failed = named_in(e.problems, [m.fqn for m in resolve(plan, meta)])
         if not failed:
-            return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, skipped)
+            return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, partial, skipped)
         before = (len(excluded), len(whole))
         failed = {f: x if x.line else attrs.evolve(x, why=tried.get(generalize(x.where), x.why))
                   for f, x in failed.items()}  # (a line that fails says more than the first reason)
@@ -222,17 +232,12 @@ def _spans(groups: list, repeats: Repeats) -> bool:
     return False
 
 
-def step_counts(small: nn.Module, plan, n: int, args: tuple, kwargs: dict, repeats: Repeats, comms: list) -> tuple:
+def step_counts(small: nn.Module, comms: list, partial: tuple, repeats: Repeats) -> tuple:
     """``({kind: count}, bytes per rank)`` of one forward and backward of the whole model's
-    plan, as ``tpfn.explain`` counts them (the route a real step takes) on ``small``, the
-    model with its stacks cut short: each collective of a kept block once per block it stands
-    for, the gradients summed at the end of the backward by the parameters they sum. Where
-    explain's dry run fails, ``comms`` (the ranks' check's) are counted."""
-    try:
-        report = explain(small, plan, world_size=n, example_inputs=kwargs or args)
-        comms, partial = report.comms, report.partial_grads
-    except PlanError:
-        partial = ()
+    plan from ``comms``, the collectives ``tpfn.explain`` counts on ``small`` (the model with
+    its stacks cut short, on the route a real step takes): each collective of a kept block
+    once per block it stands for, the gradients summed at the end of the backward (``partial``:
+    their parameters) by the parameters they sum."""
     sizes = {name: p.numel() for name, p in small.named_parameters()}
     ends = sum(sizes.get(p, 0) for p in partial)
     scale = sum(sizes.get(p, 0) * repeats.weight(p.rpartition(".")[0]) for p in partial) / ends if ends else 1
