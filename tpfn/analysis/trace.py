@@ -308,7 +308,7 @@ def _hint(e: Exception, where: str, nones: tuple) -> str:
         names = ", ".join(map(repr, nones))
         return (f"{repr(where) if where else 'the model'} was given None for {names}: an input the forward "
                 "needs is missing; give example_inputs= with every input it needs, as a dict by name")
-    if isinstance(e, NotImplementedError) or "meta" in str(e):
+    if isinstance(e, NotImplementedError) or any(w in str(e) for w in ("meta", "storage", "data-dependent")):
         return ("a forward that reads its weights' values, such as routing that loops over the experts "
                 "it hits, cannot run without them; give example_inputs= it runs on, or write the plan by hand")
     return "give example_inputs= it runs on, or write the plan by hand"
