@@ -13,8 +13,14 @@
    a module whose run fails; then the analysis of ``tpfn.check`` proves the plan, and a module
    where it finds other numbers than one device's (a scale read from a local width) computes
    its groups whole.
-   That run is the dry run, forward and backward, with the collectives it issues; the plan is
-   returned with notes that say why.
+5. Dry-run the plan as ``tpfn.explain`` does: a module it refuses computes whole, and the
+   collectives it counts (the route a real step takes) are the header's.
+
+Steps 1-5 run on the model with each stack of equal blocks cut to two of each kind
+(``tpfn.analysis.repeats``): the plan and its notes are said of every block, and the header
+counts each kept block's collectives once per block it stands for. Every module left whole
+that holds a share of the parameter bytes says why (``tpfn.suggest.unseen``). The plan is
+returned with notes that say why.
 """
 
 from __future__ import annotations
@@ -169,7 +175,7 @@ class _Found:
 
 
 def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: bool, machine, name: str) -> _Found:
-    """Steps 1-4 of the module docstring on ``meta`` (a ``hybrid_copy``)."""
+    """Steps 1-5 of the module docstring on ``meta`` (a ``hybrid_copy``, or one cut short)."""
     excluded: dict = {}   # maker -> why its group computes whole
     pairs: dict = {}      # the makers of a pair left whole -> Refused
     whole: dict = {}      # lone module -> why it computes whole
