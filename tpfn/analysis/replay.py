@@ -39,7 +39,7 @@ from tpfn.analysis.inputs import floats
 from tpfn.analysis.rules import step, tensors
 from tpfn.analysis.trace import kind_of
 from tpfn.analysis.where import failing_module, innermost
-from tpfn.errors import PlanError
+from tpfn.errors import ModuleError, PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
 from tpfn.plans.plan import resolve
 
@@ -219,7 +219,7 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
             around = [f for f in bound if within(failed, f)]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
             phase = "backward" if mode.done else "forward"
-            line = innermost(e, code=True)
+            line = "" if isinstance(e, ModuleError) else innermost(e, code=True)  # (tpfn's names its module)
             why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails"
                    f"{f' at {line}' if line else ''}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             for fqn in [max(around, key=len)] if around else inside or [failed]:

@@ -49,14 +49,20 @@ def _why(module: nn.Module) -> str:
 def unseen(model: nn.Module, bound: set, noted: set) -> list:
     """A ``Choice`` (whole, with its reason) for each module of ``model`` with parameters of
     its own worth ``SHARE`` of the bytes that no rule in ``bound`` (module names) binds and no
-    note in ``noted`` names; one per pattern of repeated blocks."""
+    note in ``noted`` names, its parameters not all tied to other modules' (T5's ``shared``,
+    whose embeddings say their own); one per pattern of repeated blocks."""
     sizes = {fqn: sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
              for fqn, m in model.named_modules()}
+    holders: dict = {}  # a parameter -> the modules holding it (a tied weight: several)
+    for _, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     out, seen = [], set(map(generalize, noted))
     for fqn, module in model.named_modules():
         pattern = generalize(fqn)
-        if not total or sizes[fqn] < SHARE * total or fqn in bound or pattern in seen or _norm(module):
+        tied = all(holders[id(p)] > 1 for p in module.parameters(recurse=False))  # (its fate is theirs)
+        if not total or sizes[fqn] < SHARE * total or fqn in bound or pattern in seen or _norm(module) or tied:
             continue
         seen.add(pattern)
         out.append(Choice(fqn, None, f"left whole ({round(100 * sizes[fqn] / total)}% of the parameter "
