@@ -2,6 +2,7 @@
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpfn
+from tests import shaped
 from tests.models import one_step
 from tests.test_style import NAMESPACE
 from tpfn import colwise, plan, rowwise
@@ -355,6 +357,8 @@ def test_the_plan_of_a_model_is_at_one_devices_numbers_on_two_ranks(ranks2):
     # forward: the 4 pairs' exits, the embedding's gather; backward: the 4 shared replicas, and
     # the activations' partial slope gradients, summed at the end in one all-reduce
     assert found[0][1] == {"all_reduce": 4, "all_gather": 1} and found[0][2] == {"all_reduce": 5}
+    # and the plan's header says so
+    assert header(tpfn.suggest(Toy(kv_heads=2), 2, example_inputs=(2, 16)))[0] == {"all_gather": 1, "all_reduce": 9}
 
 
 def _one_step():
@@ -480,9 +484,11 @@ def test_experts_that_cannot_be_sharded_stay_whole_with_the_reason(kwargs, why):
     if kwargs.get("tied"):  # tied to experts that stay whole (their biases)
         model.shared = _Experts(bias=True)
         model.shared.down_proj = model.experts.down_proj
-    with pytest.warns(UserWarning, match="the plan binds no module of _MoE: parallelize shards nothing"):
+    with warnings.catch_warnings():   # (its dry runs of the empty plan say nothing of parallelize's)
+        warnings.simplefilter("error")
         p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
     assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"
+    assert "0 groups sharded, 0% of the parameter bytes" in comments(p)
 
 
 def test_experts_whose_weights_are_held_as_other_weights_stay_whole():
@@ -493,8 +499,7 @@ def test_experts_whose_weights_are_held_as_other_weights_stay_whole():
     aliased.experts.register_parameter("alias", aliased.experts.down_proj)
     for model, why in ((crossed, "its up_proj is tied to 'other.down_proj', which is sharded otherwise"),
                        (aliased, "its down_proj is tied to 'experts.alias', another of its weights")):
-        with pytest.warns(UserWarning, match="parallelize shards nothing"):
-            p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
+        p = tpfn.suggest(model, 2, example_inputs=torch.randn(6, 16))
         assert not dict(p.rules) and notes(p)["experts"] == f"left whole: {why}"
 
 
@@ -549,3 +554,174 @@ def test_a_scale_read_from_a_local_width_leaves_its_pair_whole():
     assert rules.get("up") != colwise() and rules.get("down") != rowwise()   # not the pair
     assert "takes other=0.1767766952966369 on a rank where one device takes 0.125" in \
         dict(found.notes)[""]
+
+
+def test_a_lone_projection_of_heads_the_ranks_do_not_split_is_not_sharded_on_them():
+    # timm's vit_tiny: 3 heads of 64 features on 2 ranks; its qkv and proj are no pair (unbind)
+    p = tpfn.suggest(shaped.TimmViT(), 2, example_inputs=shaped.example("timm_vit_tiny"))
+    assert rules(p)["blocks.*.mlp.fc1"] == "colwise()"
+    assert not any(v.startswith("colwise") for k, v in rules(p).items() if ".attn." in k), rules(p)
+
+
+def test_a_refused_plan_names_the_modules_it_refuses_in_the_ranks_check():
+    from tpfn.analysis.hybrid import hybrid_copy
+    from tpfn.analysis.replay import replay
+    from tpfn.analysis.trace import follow
+
+    model, x = hybrid_copy(shaped.TimmViT(depth=1)), shaped.example("timm_vit_tiny")
+    gathered = plan({"blocks.0.attn.qkv": colwise() >> tpfn.prepare_out(tpfn.Replicate())})
+    failed = replay(model, gathered, 2, (x,), {}, follow(model, (x,), {}))[0]
+    assert list(failed) == ["blocks.0.attn.qkv"]
+    assert "'qkv' of 'blocks.0.attn' (TimmAttention) projects 9 heads of 64 features: the 2 ranks do not " \
+        "divide them" in failed["blocks.0.attn.qkv"].why
+
+
+def test_sparse_routing_on_meta_scores_sends_every_expert_each_token_it_may_reach():
+    p = tpfn.suggest(shaped.MoEBlock(), 2, example_inputs=shaped.example("sparse_moe"))
+    assert rules(p)["moe.experts.*.fc1"] == "colwise()" and rules(p)["moe.experts.*.fc2"] == "rowwise()"
+
+
+class TwoTowers(nn.Module):
+    """CLIP's shape: a text tower and a vision tower whose input has a default of None."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.vision = nn.Embedding(16, 8), nn.Linear(12, 8)
+
+    def forward(self, ids, pixels=None):
+        return self.text(ids).mean(1) @ self.vision(pixels.flatten(1)).T
+
+
+def test_an_input_the_forward_needs_that_was_not_given_is_named_as_missing():
+    with pytest.raises(RuntimeError, match=r"fails in '<root>': AttributeError: 'NoneType' object has no "
+                                           r"attribute 'flatten' \(the model was given None for 'pixels': an "
+                                           r"input the forward needs is missing"):
+        tpfn.suggest(TwoTowers(), 2, example_inputs=(2, 4))
+
+
+def test_models_spelled_as_their_libraries_are_at_one_devices_numbers(ranks2):
+    for name, errors in ranks2.run(_shaped_steps)[0].items():
+        assert max(errors.values()) < TOL, (name, {k: v for k, v in errors.items() if v >= TOL})
+
+
+def _shaped_steps():
+    from tests.models import rel_err
+    from tests.ranks import mesh
+    from tpfn.interpret.layouts import full_value, layouts
+
+    found = {}
+    for name, (build, _) in shaped.MODELS.items():
+        ref, x = build(), shaped.example(name)
+        tp = tpfn.parallelize(copy.deepcopy(ref), mesh(2), tpfn.suggest(ref, 2, example_inputs=x))
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, out = ref(x1), tp(x2)   # (no CommDebugMode: its module hooks refuse ResNet's in-place ReLU)
+        expected.sum().backward()
+        out.sum().backward()
+        placed, theirs = layouts(tp), dict(ref.named_parameters())
+        found[name] = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x1.grad)}
+        for k, p in tp.named_parameters():
+            found[name][k + ".grad"] = rel_err(full_value(p.grad, placed.get(k)), theirs[k].grad)
+    return found
+
+
+def header(p) -> tuple:
+    """The header's collectives per step by kind, and its bytes per rank."""
+    found = re.search(r"per step (.*?), ([\d.]+ \w+) per rank", comments(p))
+    return {kind: int(k) for k, kind in (x.split(" ") for x in found.group(1).split(", "))}, found.group(2)
+
+
+def explained(model, p, inputs) -> tuple:
+    from tpfn.dryrun.units import fmt_bytes
+
+    report = tpfn.explain(model, p, world_size=2, example_inputs=inputs)
+    return report.collectives, fmt_bytes(report.bytes)
+
+
+def test_a_stack_of_equal_blocks_is_checked_as_two_and_its_plan_said_of_every_block():
+    from tpfn.analysis.hybrid import hybrid_copy
+    from tpfn.analysis.repeats import distinct
+
+    deep = Toy(kv_heads=2, layers=6)
+    small, repeats = distinct(hybrid_copy(deep))
+    assert len(small.layers) == 2 and repeats.expand("layers.1.up") == [f"layers.{i}.up" for i in range(1, 6)]
+    p = tpfn.suggest(deep, 2, example_inputs=(2, 16))
+    assert p.rules == tpfn.suggest(Toy(kv_heads=2), 2, example_inputs=(2, 16)).rules
+    assert "12 groups sharded" in comments(p)
+    # every block's collectives, and the slopes' partial gradients summed at the end, as explain counts them
+    assert header(p) == explained(deep, p, (2, 16))
+
+
+def test_blocks_whose_pair_spans_two_of_them_are_each_analysed():
+    stack = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)])
+    p = tpfn.suggest(stack, 2, example_inputs=torch.randn(4, 8))
+    assert rules(p) == {"0.0": "colwise()", "1.0": "rowwise()", "2.0": "colwise()", "3.0": "rowwise()"}
+
+
+def _t5():
+    import transformers as hf
+
+    torch.manual_seed(0)
+    config = hf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, vocab_size=64,
+                         decoder_start_token_id=0, pad_token_id=0)
+    return hf.T5ForConditionalGeneration(config).eval(), {"input_ids": (1, 16), "decoder_input_ids": (1, 16)}
+
+
+@pytest.mark.parametrize("build", [
+    lambda: (Toy(kv_heads=2, layers=3, tie=True), (2, 16)),
+    lambda: (shaped.MODELS["timm_vit_tiny"][0](), shaped.example("timm_vit_tiny")),
+    lambda: (shaped.MODELS["sparse_moe"][0](), shaped.example("sparse_moe")),
+    _t5,
+], ids=["toy", "timm_vit_tiny", "sparse_moe", "t5"])
+def test_the_header_counts_what_explain_counts_for_the_plan(build):
+    model, inputs = build()
+    p = tpfn.suggest(model, 2, example_inputs=inputs)
+    assert header(p) == explained(model, p, inputs)
+
+
+def test_an_nn_sequential_of_blocks_is_planned_with_one_pattern_per_module_of_a_block():
+    blocks = nn.Sequential(*[shaped.TimmBlock(32, 4) for _ in range(4)])
+    p = tpfn.suggest(blocks, 2, example_inputs=torch.randn(2, 5, 32))
+    assert rules(p)["*.mlp.fc1"] == "colwise()" and rules(p)["*.mlp.fc2"] == "rowwise()"
+    assert not any(k[0].isdigit() for k in rules(p)), rules(p)
+
+
+def test_notes_name_the_children_of_an_nn_sequential_by_their_names_not_a_bare_index():
+    inner = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    p = tpfn.suggest(nn.Sequential(nn.Linear(16, 16), inner), 2, example_inputs=torch.randn(4, 16))
+    assert "over 2 ranks: *.1 (64 features) column-wise; *.3 row-wise, one all-reduce" in comments(p)
+
+
+def test_an_nn_multihead_attention_is_sharded_on_its_heads_whole():
+    p = tpfn.suggest(shaped.TorchTransformer(), 2, example_inputs=shaped.example("nn_transformer"))
+    assert {k: v for k, v in rules(p).items() if "attn" in k} == {
+        "transformer.decoder.layers.*.multihead_attn": "colwise()", "transformer.decoder.layers.*.self_attn": "colwise()",
+        "transformer.encoder.layers.*.self_attn": "colwise()"}
+    assert rules(p)["transformer.encoder.layers.*.linear1"] == "colwise()"
+    assert "its 4 heads column-wise, out_proj row-wise, one all-reduce" in comments(p)
+    three = nn.TransformerEncoder(nn.TransformerEncoderLayer(24, 3, 48, batch_first=True), 2)
+    found = comments(tpfn.suggest(three, 2, example_inputs=torch.randn(2, 4, 24)))   # in training
+    assert "'layers.*.self_attn': left whole: its 3 heads do not split evenly over 2 ranks" in found
+    # a dropout between linear1 and linear2 draws on a shard: no pair, and the rest is returned
+    assert "'layers.*': no pair, linear1, linear2: bernoulli draws random numbers on a shard" in found
+
+
+def test_an_attention_reading_its_width_from_its_input_is_left_whole_naming_the_line():
+    p = tpfn.suggest(shaped.NanoGPT(), 2, example_inputs=shaped.example("nanogpt"))   # B, T, C = x.size()
+    assert re.search(r"'transformer.h.\*.attn': no pair, c_attn, c_proj: on a rank's shard the forward of "
+                     r"'transformer.h.\*.attn' fails at tests/shaped.py:\d+, `k = k.view\(B, T, self.n_head, "
+                     r"C // self.n_head\).transpose\(1, 2\)`", comments(p)), comments(p)
+    assert rules(p)["transformer.h.*.mlp.c_fc"] == "colwise()"
+
+
+@pytest.mark.parametrize("name, fqn, why", [
+    ("resnet", "layer1.*.conv1", "left whole (19% of the parameter bytes): a convolution (Conv2d): suggest shards "
+                                 "no convolution's channels"),
+    ("lstm", "lstm", "left whole (94% of the parameter bytes): a recurrent layer (LSTM): each step needs the whole "
+                     "hidden state of the step before"),
+    ("swin", "layers.*.attn.qkv", "left whole (12% of the parameter bytes): its parameters (weight, bias) are read "
+                                  "by ops directly, not through a linear"),
+])
+def test_a_module_suggest_does_not_shard_says_why(name, fqn, why):
+    build, _ = shaped.MODELS[name]
+    p = tpfn.suggest(build(), 2, example_inputs=shaped.example(name))
+    assert notes(p)[fqn].startswith(why), notes(p)

@@ -43,17 +43,19 @@ def matches(pattern: str, fqn: str) -> bool:
 def spell(values: dict, fqns) -> dict:
     """``{pattern: value}`` for ``{fqn: value}``: one generic pattern where it names exactly
     the modules (of ``fqns``, every module's name) that share a value, the names elsewhere
-    (and for top-level children).
+    (and for top-level children themselves: ``'*'`` would read as every child).
 
     >>> spell({"layers.0.w": 1, "layers.1.w": 1, "out": 2}, ["layers.0.w", "layers.1.w", "out"])
     {'layers.*.w': 1, 'out': 2}
+    >>> spell({"0.w": 1, "1.w": 1, "2": 2}, ["0", "0.w", "1", "1.w", "2"])   # an nn.Sequential of blocks
+    {'*.w': 1, '2': 2}
     """
     groups: dict = {}
     for fqn, value in values.items():
         groups.setdefault((generalize(fqn), value), []).append(fqn)
     entries = {}
     for (pattern, value), named in groups.items():
-        if not pattern.startswith("*") and sorted(f for f in fqns if matches(pattern, f)) == sorted(named):
+        if pattern != "*" and sorted(f for f in fqns if matches(pattern, f)) == sorted(named):
             entries[pattern] = value
         else:
             entries.update(dict.fromkeys(named, value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import itertools
 
@@ -37,7 +38,7 @@ __all__ = [
     "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "has_pre_hook", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
     "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks", "op_packet",
-    "CPU_ATTENTION"]
+    "CPU_ATTENTION", "nonzero_on_meta", "with_children"]
 
 
 def _start_autograd_without_fake_devices() -> None:
@@ -409,6 +410,23 @@ def node_type(function: type) -> type:
 
 
 # --- ops and functional collectives --------------------------------------------------------
+
+
+def with_children(module: nn.Module, children: dict) -> nn.Module:
+    """A shallow copy of ``module`` whose children are ``children`` (name -> module, in order):
+    its parameters, buffers, settings and hooks are ``module``'s own."""
+    new = copy.copy(module)
+    new._modules = dict(children)
+    return new
+
+
+def nonzero_on_meta():
+    """A context in which ``nonzero`` (``torch.where(mask)``, boolean indexing) of a meta tensor
+    returns a shape as if every element were nonzero, instead of raising (the routing of a
+    sparse mixture of experts, on meta router scores)."""
+    import torch.fx.experimental._config as fx_config
+
+    return fx_config.patch(meta_nonzero_assume_all_nonzero=True)
 
 
 def grouped_mm_op():

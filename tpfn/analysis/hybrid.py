@@ -13,7 +13,10 @@ A real tensor a meta value is written into (``x[..., :d] = q``) is unknown from 
 counts as meta wherever it is read.
 
 ``Hybrid`` also runs ``_grouped_mm`` (transformers' fused experts) on meta in any float dtype:
-its meta kernel checks the dtype a GPU kernel would need.
+its meta kernel checks the dtype a GPU kernel would need; and ``nonzero`` of a meta tensor (a
+sparse mixture of experts' ``torch.where(top_k == e)`` on meta router scores) as if every
+element were nonzero: each expert is routed every token its top-k could send it, a shape
+(torch's ``meta_nonzero_assume_all_nonzero``).
 
 >>> lin = hybrid_copy(nn.Linear(4, 8))
 >>> lin.weight.is_meta
@@ -36,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from tpfn._fqn import join
-from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, parameters_of
+from tpfn._torch import TorchDispatchMode, buffers_of, grouped_mm_op, meta_like, nonzero_on_meta, parameters_of
 
 __all__ = ["Hybrid", "hybrid_copy", "meta_copy", "real", "LARGEST"]
 
@@ -110,9 +113,23 @@ LARGEST = 1 << 22  # the most elements a tensor made on meta's behalf is made re
 _SHAPED = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
 
 
+_RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}  # torch._VF's recurrent layers
+
+
+def _shapes(x):
+    """``x`` with every real tensor a meta one of its shape (``.to("meta")`` under ``Hybrid``
+    keeps a tensor where it is)."""
+    if isinstance(x, torch.Tensor):
+        return x if x.is_meta else torch.empty_like(x, device="meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_shapes(item) for item in x)
+    return x
+
+
 class _Whole(TorchFunctionMode):
     """An attention of meta queries, keys and values computes on meta throughout: the masks
-    torch builds inside it (a causal one) hold no value of the model's."""
+    torch builds inside it (a causal one) hold no value of the model's; so does a recurrent
+    layer (``nn.LSTM``) of a meta input, its initial state (zeros, made real) moved to meta."""
 
     def __init__(self, hybrid: "Hybrid"):
         super().__init__()
@@ -120,6 +137,8 @@ class _Whole(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _RECURRENT and any(t.is_meta for t in _tensors(args)):
+            return func(*_shapes(args), **kwargs)  # (its device check runs before any op: all on meta)
         if func is not F.scaled_dot_product_attention or not any(t.is_meta for t in _tensors(args)[:3]):
             return func(*args, **kwargs)
         values, self.hybrid.values = self.hybrid.values, False
@@ -138,8 +157,10 @@ class Hybrid(TorchDispatchMode):
         self.values = True
         self.unknown: dict = {}  # storage pointer -> storage: real tensors a meta value was written into
         self.whole = _Whole(self)
+        self.nonzero = nonzero_on_meta()
 
     def __enter__(self):
+        self.nonzero.__enter__()
         self.whole.__enter__()
         return super().__enter__()
 
@@ -147,7 +168,10 @@ class Hybrid(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            self.whole.__exit__(*exc)
+            try:
+                self.whole.__exit__(*exc)
+            finally:
+                self.nonzero.__exit__(*exc)
 
     def _meta(self, t: torch.Tensor) -> bool:
         if t.is_meta or isinstance(t, DTensor):  # (a DTensor's values are its local tensor's)

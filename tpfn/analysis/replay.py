@@ -12,7 +12,8 @@ would be wrong silently.
 
 Returns ``(failed, comms, skipped)``: ``failed`` maps a module to why, for a group that does
 not compute its share one of the modules making its features, for a run that fails the
-innermost module the plan binds around the failure; ``comms``, what ``observe`` gave;
+innermost module the plan binds around the failure (and the model's line that failed, with
+its code: a view by a width read from ``x.size()``, which no attribute held per rank fixes); ``comms``, what ``observe`` gave;
 ``skipped``, why the backward did not run, or None. (A tensor the forward computed from its
 inputs, real, that took a value of the weights in place (``tpfn.analysis.hybrid``) hands
 autograd a gradient on another device: the dry run then checks the forward alone.)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 
 import attrs
 import torch
@@ -36,11 +38,12 @@ from tpfn.analysis.hybrid import Hybrid, hybrid_copy
 from tpfn.analysis.inputs import floats
 from tpfn.analysis.rules import step, tensors
 from tpfn.analysis.trace import kind_of
-from tpfn.analysis.where import failing_module
-from tpfn.errors import PlanError
+from tpfn.analysis.where import failing_module, innermost
+from tpfn.errors import ModuleError, PlanError
 from tpfn.interpret.parallelize import mounted, parallelize
+from tpfn.plans.plan import resolve
 
-__all__ = ["replay", "Failure"]
+__all__ = ["replay", "Failure", "named_in"]
 
 LOOKAHEAD = 8  # traced ops a rank's code may skip as identities at its sizes
 SKIPPABLE = {"view", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
@@ -60,6 +63,7 @@ class Failure:
 
     why: str
     where: str
+    line: str = ""  # the model's line where the rank's run failed, with its code
 
 
 class _Replay(TorchDispatchMode):
@@ -159,6 +163,20 @@ class _Replay(TorchDispatchMode):
             self.held[id(out)] = (out, call.out_dims)
 
 
+def named_in(problems: list, bound: list) -> dict:
+    """``{fqn: Failure}`` of the bound modules the problems of a refused plan name: the module a
+    problem is about (``'fqn' (Kind) ...``), else each bound module it quotes, whole or as a
+    child of a module it quotes (``'qkv' of 'blocks.0.attn' (Attention)``)."""
+    out: dict = {}
+    for problem in problems:
+        first = re.match(r"'([^']*)' \(", problem)
+        quoted = set(re.findall(r"'([^']*)'", problem))
+        for fqn in [first.group(1)] if first else [
+                f for f in bound if f in quoted or f.rpartition(".")[2] in quoted and f.rpartition(".")[0] in quoted]:
+            out.setdefault(fqn, Failure(problem, fqn))
+    return out
+
+
 def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, backward: bool = True,
            observe=None) -> tuple:
     """``({fqn: why}, observed, skipped)`` of ``plan`` over ``n`` fake ranks against ``flow``
@@ -169,10 +187,11 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
     skipped = None
     try:
         try:
-            parallelize(copy, mesh, plan, src_rank=None)
+            with warnings.catch_warnings():  # an empty plan: the whole model, on purpose
+                warnings.filterwarnings("ignore", "the plan binds no module", UserWarning)
+                parallelize(copy, mesh, plan, src_rank=None)
         except PlanError as e:  # a whole-model refusal (tpfn.plans.refusals): the modules it names
-            named = {m.group(1): Failure(p, m.group(1)) for p in e.problems
-                     for m in [re.match(r"'([^']*)' \(", p)] if m}
+            named = named_in(e.problems, [m.fqn for m in resolve(plan, copy)])
             if not named:
                 raise
             return named, [], None
@@ -200,10 +219,11 @@ def replay(model: nn.Module, plan, n: int, args: tuple, kwargs: dict, flow, back
             around = [f for f in bound if within(failed, f)]
             inside = [f for f in bound if f.startswith(failed + ".") or not failed]
             phase = "backward" if mode.done else "forward"
-            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails: "
-                   f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            line = "" if isinstance(e, ModuleError) else innermost(e, code=True)  # (tpfn's names its module)
+            why = (f"on a rank's shard the {phase} of {generalize(failed) or '<root>'!r} fails"
+                   f"{f' at {line}' if line else ''}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             for fqn in [max(around, key=len)] if around else inside or [failed]:
-                mode.failed.setdefault(fqn, Failure(why, failed))
+                mode.failed.setdefault(fqn, Failure(why, failed, line))
     finally:
         release(mesh)
     return mode.failed, list(comms or ()), skipped

@@ -36,9 +36,13 @@ __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
 
 def kind_of(module: nn.Module) -> str | None:
     """``"embedding"``, ``"linear"`` (a module whose ``colwise()`` row shards its output
-    features, nn.Linear and kinds like it), or None: a module the trace looks into."""
+    features, nn.Linear and kinds like it), ``"attention"`` (``nn.MultiheadAttention``, whose
+    forward reads its weights directly: one step, replicated in and out, that ``colwise()``
+    shards on its heads whole), or None: a module the trace looks into."""
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention"
     for kind, _ in TABLE["colwise"]:
         if kind not in (nn.Embedding, nn.MultiheadAttention) and isinstance(module, kind):
             return "linear"
@@ -101,6 +105,16 @@ def _named(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     return out
 
 
+def _nones(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The inputs of a module call that are None, given so or by default."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return ()
+    bound.apply_defaults()
+    return tuple(name for name, value in bound.arguments.items() if value is None)
+
+
 def _first_name(module: nn.Module) -> str | None:
     try:
         return next(iter(inspect.signature(module.forward).parameters))
@@ -130,6 +144,7 @@ class _Tracer(TorchDispatchMode):
         self.uniforms: dict = {}  # id -> a tensor holding one value everywhere
         self.sources: dict = {}   # id -> (tensor, Input): a module's input (or a view of one)
         self.named: dict = {}     # module fqn -> {id of an input: its name}
+        self.nones: dict = {}     # module fqn -> the inputs its last call was given as None
     # -- what the rules ask ------------------------------------------------------------
     def dims(self, t: torch.Tensor) -> tuple:
         found = self.held.get(id(t))
@@ -203,6 +218,7 @@ class _Tracer(TorchDispatchMode):
         if not self.inside:
             if fqn not in self.firsts:
                 self.firsts[fqn] = _first_name(module)
+            self.nones[fqn] = _nones(module, args, kwargs)
             for name, value in _named(module, args, kwargs).items():
                 if isinstance(value, torch.Tensor) and self.param(value) is None:
                     self.sources[id(value)] = (value, Input(fqn, name))
@@ -217,6 +233,8 @@ class _Tracer(TorchDispatchMode):
         if kind is None:
             return
         self.inside -= 1
+        if kind == "attention" and isinstance(out, tuple) and out:  # (output, weights)
+            out = out[0]
         if self.inside or not isinstance(out, torch.Tensor):
             return
         x = _first_input(module, args, kwargs)
@@ -228,7 +246,9 @@ class _Tracer(TorchDispatchMode):
         dims = self.dims(x)
         held = held_spaces(dims)
         role, space = "whole", None
-        if held:
+        if held and kind == "attention":
+            self.spaces.fail(held, f"{fqn!r} (nn.MultiheadAttention) takes sharded features as its input")
+        elif held:
             last = form(dims[-1]) if kind == "linear" else None
             bad = (last is None or last[0] != 1 or held_spaces(dims[:-1])
                    or any(t == REPEAT for _, t in dims[-1]))
@@ -239,7 +259,7 @@ class _Tracer(TorchDispatchMode):
             else:
                 role, space = "exit", last[2]
                 self.spaces.exits.setdefault(space, set()).add(fqn)
-        elif fqn not in self.excluded:
+        elif fqn not in self.excluded and kind != "attention":
             role, space = "entry", self.spaces.new(fqn, out.shape[-1])
         out_dims = tag(plain(out.shape), out.dim() - 1, space) if role == "entry" else plain(out.shape)
         self.set(out, out_dims)
@@ -264,13 +284,11 @@ def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
         with Hybrid(), tracer:
             out = model(*args, **kwargs)
     except Exception as e:
-        where = failing_module(e, model)
+        where = failing_module(e, model) or ""
         raise RuntimeError(
             f"suggest runs one forward of {type(model).__name__} with its parameters on the meta "
             f"device, and it fails in {where or '<root>'!r}: {type(e).__name__}: "
-            f"{(str(e).splitlines() or [''])[0]} (a forward that reads its weights' values, "
-            "such as routing that loops over the experts it hits, cannot run without them; "
-            "give example_inputs= it runs on, or write the plan by hand)") from e
+            f"{(str(e).splitlines() or [''])[0]} ({_hint(e, where, tracer.nones.get(where, ()))})") from e
     finally:
         for h in handles:
             h.remove()
@@ -281,6 +299,19 @@ def follow(model: nn.Module, args: tuple, kwargs: dict, excluded=()) -> Flow:
             tracer.spaces.fail(held, "they reach the model's output")
     return Flow(tracer.spaces, tracer.calls, tracer.ops, tracer.named, tracer.firsts,
                 [(tuple(t.shape), t.element_size()) for t in results])
+
+
+def _hint(e: Exception, where: str, nones: tuple) -> str:
+    """What to do about a traced forward that failed in ``where`` with ``e``; ``nones``: the
+    inputs ``where`` was called with as None."""
+    if nones and "NoneType" in str(e):
+        names = ", ".join(map(repr, nones))
+        return (f"{repr(where) if where else 'the model'} was given None for {names}: an input the forward "
+                "needs is missing; give example_inputs= with every input it needs, as a dict by name")
+    if isinstance(e, NotImplementedError) or any(w in str(e) for w in ("meta", "storage", "data-dependent")):
+        return ("a forward that reads its weights' values, such as routing that loops over the experts "
+                "it hits, cannot run without them; give example_inputs= it runs on, or write the plan by hand")
+    return "give example_inputs= it runs on, or write the plan by hand"
 
 
 def _outputs(out) -> list:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import os
 import sys
 import sysconfig
@@ -96,13 +97,16 @@ def failing_module(exc: BaseException, module: nn.Module) -> str | None:
     return fqn
 
 
-def innermost(exc: BaseException) -> str:
-    """The model's source line innermost in ``exc``'s traceback (``''``: none)."""
+def innermost(exc: BaseException, code: bool = False) -> str:
+    """The model's source line innermost in ``exc``'s traceback (``''``: none); ``code``: with
+    the line's code (``path:12, `k = k.view(B, T, H, C // H)```)."""
     tb, found = exc.__traceback__, ""
     while tb is not None:
-        code = tb.tb_frame.f_code
-        if kind(code.co_filename) == "model":
-            found = source(code.co_filename, tb.tb_lineno)
+        where = tb.tb_frame.f_code.co_filename
+        if kind(where) == "model":
+            found = source(where, tb.tb_lineno)
+            text = linecache.getline(where, tb.tb_lineno).strip() if code else ""
+            found += f", `{text}`" if text else ""
         tb = tb.tb_next
     return found
 

@@ -1,5 +1,8 @@
 """The modules outside the Megatron pairs: embeddings, heads, lone linears, each by its cost.
 
+An ``nn.MultiheadAttention`` is a Megatron pair in one module: ``colwise()`` shards its heads
+and ``out_proj`` row-wise, wherever it mounts on the ranks (not weighed, as pairs are not).
+
 A linear or embedding that no sharded group makes or contracts takes a replicated input
 and must hand on a replicated output. It can be sharded on its own: an embedding
 vocabulary-parallel (``rowwise()``, its output all-reduced) or on its features
@@ -20,6 +23,7 @@ from tpfn.dryrun.units import fmt_bytes, fmt_seconds
 from tpfn.layout import Partial, Replicate, Shard
 from tpfn.plans.kinds import meaning
 from tpfn.plans.mount import try_mount
+from tpfn.plans.refusals import split_heads
 from tpfn.style.constructors import colwise, params, prepare_in, prepare_out, rowwise
 from tpfn.style.style import Style
 from tpfn.suggest.cost import cost, moved, say, seconds
@@ -99,8 +103,11 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
     the sharded groups); ``outputs``: the modules whose output is the model's; ``whole``: the
     modules that compute whole, and why; ``machine``: weigh in seconds on it."""
     calls: dict = {}
+    attentions = []
     for call in flow.calls:
-        if call.fqn not in used:
+        if call.kind == "attention":
+            attentions += [] if call.fqn in attentions else [call.fqn]
+        elif call.fqn not in used:
             calls.setdefault(call.fqn, []).append(call)
     tied: dict = {}
     for fqn in calls:
@@ -111,7 +118,21 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
         kept = [f for f in fqns if f in whole]
         out += ([Choice(f, None, f"left whole: {brief(whole[kept[0]])}") for f in fqns] if kept
                 else _choose(model, fqns, calls, n, loss_parallel, outputs, machine))
-    return out
+    return out + [Choice(f, None, f"left whole: {brief(whole[f])}") if f in whole else _attention(model, f, n)
+                  for f in attentions]
+
+
+def _attention(model, fqn: str, n: int) -> Choice:
+    """An ``nn.MultiheadAttention``: ``colwise()`` (its heads sharded, ``out_proj`` row-wise:
+    a Megatron pair in one module, not weighed) where it mounts on ``n`` ranks, else whole."""
+    module = model.get_submodule(fqn)
+    mount = try_mount(colwise(), module, fqn, (), ())
+    why = mount[0] if isinstance(mount, list) else (
+        mount.row.fits(module, n) if mount.row is not None and mount.row.fits is not None else None)
+    if why:
+        return Choice(fqn, None, f"left whole: {brief(why)}")
+    return Choice(fqn, colwise(), f"over {n} ranks: its {module.num_heads} heads column-wise, out_proj "
+                                  "row-wise, one all-reduce (nn.MultiheadAttention's own forward on each rank's heads)")
 
 
 def _options(fqns: list, kinds: dict, loss_parallel: bool, outputs: set) -> list:
@@ -134,6 +155,17 @@ def _style(option, module):
     return option.style
 
 
+def _refused(model, style, module, fqn: str, n: int) -> bool:
+    """Whether ``parallelize`` would refuse ``style`` on ``module`` over ``n`` ranks: its row
+    refuses it (an embedding whose own submodules compute), or it is a column-wise projection
+    of an attention whose heads (by the attention's ``head_dim``) the ranks do not split."""
+    mount = try_mount(style, module, fqn, (), ())
+    if isinstance(mount, list):
+        return True
+    parent = fqn.rpartition(".")[0]
+    return bool(split_heads({parent: model.get_submodule(parent)}, [mount], n))
+
+
 def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs: set, machine) -> list:
     """The cheapest option for modules that share one weight (each alone if they share none)."""
     modules = [model.get_submodule(f) for f in fqns]
@@ -141,9 +173,8 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     whole = _held(modules, [None] * len(fqns), n)[0]
     best = None
     for pick in _options(fqns, kinds, loss_parallel, outputs):
-        if any(isinstance(try_mount(_style(pick[f], module), module, f, (), ()), list)
-               for f, module in zip(fqns, modules)):
-            continue  # a row refuses it (an embedding whose own submodules compute)
+        if any(_refused(model, _style(pick[f], module), module, f, n) for f, module in zip(fqns, modules)):
+            continue
         steps = [s for f in fqns for s in _moves(calls[f], pick[f])]
         held = _held(modules, [pick[f] for f in fqns], n)[1]
         if best is None or cost(steps, held, n, machine) < cost(*best[:2], n, machine):
@@ -171,14 +202,16 @@ def _choose(model, fqns: list, calls: dict, n: int, loss_parallel: bool, outputs
     return out
 
 
-def sequence_parallel(groups: list, flow, n: int, machine=None) -> str | None:
+def sequence_parallel(groups: list, flow, n: int, machine=None, weight=lambda fqn: 1) -> str | None:
     """Whether to run what lies between the pairs (norms, residual sums, dropout) on a shard of
     the sequence: each row-wise exit's all-reduce then becomes a reduce-scatter, and the next
     pair gathers the sequence back. The same bytes in twice the collectives under the ring
     model, and on a ``machine`` the same ring steps, over the links of other kinds; the note
-    says which costs less, with the figures. Suggest writes no sequence-parallel plan."""
+    says which costs less, with the figures. Suggest writes no sequence-parallel plan.
+    ``weight``: how many modules of the whole model each of ``flow``'s stands for."""
     exits = {f for g in groups for f in g.exits}
-    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3]
+    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3
+             for _ in range(weight(c.fqn))]
     if not calls:
         return None
     plain = [(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls]

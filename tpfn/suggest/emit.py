@@ -50,7 +50,10 @@ def _common(fqns) -> str:
 
 
 def _short(fqn: str, parent: str) -> str:
-    return fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else fqn
+    """``fqn`` named from ``parent``; in full where that would be a bare index (a child of an
+    ``nn.Sequential``)."""
+    short = fqn[len(parent) + 1:] if parent and fqn.startswith(parent + ".") else fqn
+    return fqn if short.split(".")[0].isdigit() else short
 
 
 def _replicas(names: tuple, first: str | None):
@@ -62,8 +65,10 @@ def _replicas(names: tuple, first: str | None):
 
 
 def _layers(name: str) -> str:
-    """A relative module name with its layer numbers as ``*`` (a name of one part as it is)."""
-    return generalize(name) if "." in name else name
+    """A relative module name with its layer numbers as ``*``, its own name (an
+    ``nn.Sequential``'s child's index) as it is."""
+    head, _, last = name.rpartition(".")
+    return f"{generalize(head)}.{last}" if head else name
 
 
 def _describe(group, n: int) -> str:
@@ -95,9 +100,12 @@ def brief(why: str) -> str:
     return first if len(first) <= BRIEF else first[:BRIEF - 1].rstrip() + "…"
 
 
-def assemble(model, flow, groups: list, choices: list, refused: list, n: int, extra: dict | None = None):
+def assemble(model, flow, groups: list, choices: list, refused: list, n: int, extra: dict | None = None,
+             repeats=None):
     """The plan (with its notes) of ``groups`` and lone ``choices``; ``refused``: the pairs
-    left whole, and why; ``extra``: module -> a style to append (its sizes held per rank)."""
+    left whole, and why; ``extra``: module -> a style to append (its sizes held per rank);
+    ``repeats``: ``model`` is a stack cut short (``tpfn.analysis.repeats``), and the plan is the
+    whole model's, each rule and note of a kept block said of every block it stands for."""
     styles, notes = {}, {}
     for group in groups:
         for fqn, entry in group.entries.items():
@@ -132,6 +140,10 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, ex
             if notes.get(f, "").startswith("left whole"):
                 del notes[f]
     fqns = [f for f, _ in model.named_modules()]
+    if repeats is not None:
+        styles = {f: style for fqn, style in styles.items() for f in repeats.expand(fqn)}
+        notes = {f: text for fqn, text in notes.items() for f in repeats.expand(fqn)}
+        fqns = repeats.fqns
     rules = spell(styles, fqns)
     kept = {}
     for fqn, text in sorted(notes.items()):

@@ -13,13 +13,17 @@
    a module whose run fails; then the analysis of ``tpfn.check`` proves the plan, and a module
    where it finds other numbers than one device's (a scale read from a local width) computes
    its groups whole.
-   That run is the dry run, forward and backward, with the collectives it issues; the plan is
-   returned with notes that say why.
+5. Dry-run the plan as ``tpfn.explain`` does: a module it refuses computes whole, and the
+   collectives it counts (the route a real step takes) are the header's.
+
+Steps 1-5 run on the model with each stack of equal blocks cut to two of each kind
+(``tpfn.analysis.repeats``): the plan and its notes are said of every block, and the header
+counts each kept block's collectives once per block it stands for. Every module left whole
+that holds a share of the parameter bytes says why (``tpfn.suggest.unseen``). The plan is
+returned with notes that say why.
 """
 
 from __future__ import annotations
-
-import collections
 
 import attrs
 
@@ -30,10 +34,13 @@ from tpfn._fqn import generalize, join, within
 from tpfn.analysis.hybrid import hybrid_copy
 from tpfn.analysis.inputs import example
 from tpfn.analysis.check import analysed
-from tpfn.analysis.replay import Failure, replay
+from tpfn.analysis.repeats import Repeats, distinct
+from tpfn.analysis.replay import Failure, named_in, replay
 from tpfn.analysis.trace import follow
 from tpfn.dryrun.collectives import record
 from tpfn.dryrun.cost import Machine
+from tpfn.dryrun.explain import explain
+from tpfn.errors import PlanError
 from tpfn.dryrun.units import fmt_bytes
 from tpfn.plans.mount import try_mount
 from tpfn.plans.refusals import split_heads
@@ -45,8 +52,9 @@ from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.experts import experts
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.sizes import candidates, sizes, style
+from tpfn.suggest.unseen import unseen
 
-__all__ = ["suggest", "sharded_share"]
+__all__ = ["suggest", "sharded_share", "step_counts"]
 
 _REACHES_OUTPUT = "they reach the model's output"
 _WEIGHED = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives of the choices
@@ -119,6 +127,55 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     n = _world_size(world_size)
     args, kwargs = example(model, example_inputs)
     meta = hybrid_copy(model)
+    small, repeats = distinct(meta)
+    try:
+        found = _derive(small, n, args, kwargs, loss_parallel, machine, type(model).__name__)
+    except Exception:  # noqa: BLE001 - the whole model says why, below
+        if small is meta:
+            raise
+        found = None
+    if small is not meta and (found is None or _spans(found.groups, repeats)):
+        small, repeats = meta, Repeats(repeats.fqns)  # blocks that do not stand alone: every one
+        found = _derive(meta, n, args, kwargs, loss_parallel, machine, type(model).__name__)
+    bound = {m.fqn for m in resolve(found.plan, small)}
+    quiet = unseen(small, bound, {*dict(found.plan.notes), *(f for p in found.pairs for f in (*p.makers, *p.exits))})
+    plan = assemble(small, found.flow, found.groups, found.choices + quiet, found.pairs, n, found.extra, repeats)
+    sharded, total = sharded_share(meta, plan)
+    counts, moved = step_counts(small, found.comms, found.partial, repeats)
+    groups = sum(repeats.weight(min(g.entries)) for g in found.groups) + sum(  # and each attention sharded whole
+        repeats.weight(c.fqn) for c in found.choices
+        if c.style is not None and isinstance(small.get_submodule(c.fqn), nn.MultiheadAttention))
+    header = (f"tpfn.suggest over {n} ranks: {groups} group{'s' * (groups != 1)} sharded, "
+              f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
+              f"{_counts(counts)}, {fmt_bytes(moved)} per rank")
+    sequence = sequence_parallel(found.groups, found.flow, n, machine, repeats.weight)
+    weighed = machine and ("lone modules weighed in seconds per step on the given Machine: their "
+                           "collectives over its links, and the optimizer's step on the bytes held")
+    header += "".join(f"\n{note}" for note in (weighed, found.skipped, sequence) if note)
+    return plan.noted({None: general(header)})  # (the plan the last check passed)
+
+
+@attrs.frozen
+class _Found:
+    """What the dry runs of a model found: its plan (the last the checks passed), the traced
+    forward, the groups sharded, the lone modules' choices, the pairs left whole, the sizes
+    held per rank, the collectives of one step as explain counts them (the ranks' check's
+    where explain's dry run fails and names no module) and the parameters whose gradients are
+    summed at the end of the backward, and why the check's backward did not run."""
+
+    plan: Plan
+    flow: object
+    groups: list
+    choices: list
+    pairs: list
+    extra: dict
+    comms: list
+    partial: tuple
+    skipped: str | None
+
+
+def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: bool, machine, name: str) -> _Found:
+    """Steps 1-5 of the module docstring on ``meta`` (a ``hybrid_copy``, or one cut short)."""
     excluded: dict = {}   # maker -> why its group computes whole
     pairs: dict = {}      # the makers of a pair left whole -> Refused
     whole: dict = {}      # lone module -> why it computes whole
@@ -150,26 +207,52 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
                 h, groups)), n, args, kwargs, flow, backward=False)[0])
             minimized = True
             continue
-        if not failed:  # the analysis: what no shape shows (a scale read from a local width)
+        if not failed and plan.rules:  # the analysis: what no shape shows (a scale read from a local width)
             failed = {f.fqn: Failure(f.why, f.fqn) for f in analysed(meta, plan, n, args, kwargs)[1]
                       if f.kind == "wrong"}
+        partial: tuple = ()
+        if not failed:  # explain's dry run: it takes the plan, and counts what a real step issues
+            try:
+                report = explain(meta, plan, world_size=n, example_inputs=kwargs or args)
+                comms, partial = report.comms, report.partial_grads
+            except PlanError as e:  # the modules it names compute whole (else the ranks' check's counts)
+                failed = named_in(e.problems, [m.fqn for m in resolve(plan, meta)])
         if not failed:
-            break
+            return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, partial, skipped)
         before = (len(excluded), len(whole))
-        failed = {f: attrs.evolve(x, why=tried.get(generalize(x.where), x.why)) for f, x in failed.items()}
+        failed = {f: x if x.line else attrs.evolve(x, why=tried.get(generalize(x.where), x.why))
+                  for f, x in failed.items()}  # (a line that fails says more than the first reason)
         _blame(failed, groups, excluded, pairs, whole, choices)
         if (len(excluded), len(whole)) == before:
-            raise RuntimeError(f"suggest's dry run of {type(model).__name__} on {n} fake ranks fails where "
+            raise RuntimeError(f"suggest's dry run of {name} on {n} fake ranks fails where "
                                f"nothing is sharded: {next(iter(failed.values())).why}")
-    sharded, total = sharded_share(meta, plan)
-    header = (f"tpfn.suggest over {n} ranks: {len(groups)} group{'s' * (len(groups) != 1)} sharded, "
-              f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
-              f"{_counts(comms)}, {fmt_bytes(sum(c.bytes for c in comms))} per rank")
-    sequence = sequence_parallel(groups, flow, n, machine)
-    weighed = machine and ("lone modules weighed in seconds per step on the given Machine: their "
-                           "collectives over its links, and the optimizer's step on the bytes held")
-    header += "".join(f"\n{note}" for note in (weighed, skipped, sequence) if note)
-    return plan.noted({None: general(header)})  # (the plan the last check passed)
+
+
+def _spans(groups: list, repeats: Repeats) -> bool:
+    """Whether a group's makers and exits lie in more than one block of a stack cut short (or
+    in one and outside it): the whole model would pair them otherwise."""
+    for group in groups:
+        blocks = {next((b for b in repeats.kept if within(f, b)), None) for f in (*group.entries, *group.exits)}
+        if len(blocks) > 1:
+            return True
+    return False
+
+
+def step_counts(small: nn.Module, comms: list, partial: tuple, repeats: Repeats) -> tuple:
+    """``({kind: count}, bytes per rank)`` of one forward and backward of the whole model's
+    plan from ``comms``, the collectives ``tpfn.explain`` counts on ``small`` (the model with
+    its stacks cut short, on the route a real step takes): each collective of a kept block
+    once per block it stands for, the gradients summed at the end of the backward (``partial``:
+    their parameters) by the parameters they sum."""
+    sizes = {name: p.numel() for name, p in small.named_parameters()}
+    ends = sum(sizes.get(p, 0) for p in partial)
+    scale = sum(sizes.get(p, 0) * repeats.weight(p.rpartition(".")[0]) for p in partial) / ends if ends else 1
+    counts: dict = {}
+    moved = 0
+    for c in comms:
+        counts[c.kind] = counts.get(c.kind, 0) + repeats.weight(c.fqn)
+        moved += c.bytes * (repeats.weight(c.fqn) if c.fqn is not None else scale)
+    return counts, int(moved)
 
 
 def _look_for_sizes(failed: dict, groups: list, model: nn.Module, held: dict, tried: dict) -> bool:
@@ -224,7 +307,7 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
     for fqn, failure in failed.items():
         why = failure.why
         mine = [g for g in groups if fqn in g.modules] or [   # or the groups inside it (its sizes held)
-            g for g in groups if any(within(m, fqn) for m in g.modules)]
+            g for g in groups if any(within(m, fqn) for m in g.modules)] or _around(fqn, groups, lone)
         if fqn not in lone and not mine:
             whole.update({f: why for f in lone if f not in whole})
         for group in mine:
@@ -233,6 +316,20 @@ def _blame(failed: dict, groups: list, excluded: dict, pairs: dict, whole: dict,
                                                                    group.exits, why))
         if not mine:
             whole.setdefault(fqn, why)
+
+
+def _around(fqn: str, groups: list, lone: set) -> list:
+    """The groups in the innermost module around ``fqn`` that holds any (a dropout between a
+    pair's halves), where no sharded lone module is as near."""
+    parts = fqn.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        scope = ".".join(parts[:k])
+        found = [g for g in groups if any(within(m, scope) for m in g.modules)]
+        if any(within(f, scope) for f in lone):
+            return []
+        if found:
+            return found
+    return []
 
 
 def _unmountable(model: nn.Module, groups: list, n: int) -> list:
@@ -251,9 +348,8 @@ def _unmountable(model: nn.Module, groups: list, n: int) -> list:
     return found
 
 
-def _counts(comms: list) -> str:
-    found = collections.Counter(c.kind for c in comms)
-    return ", ".join(f"{k} {kind}" for kind, k in found.items()) or "no collective"
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} {kind}" for kind, k in counts.items()) or "no collective"
 
 
 def sharded_share(model: nn.Module, plan) -> tuple:
