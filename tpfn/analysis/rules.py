@@ -38,7 +38,7 @@ from tpfn.analysis.factors import (
     REPEAT, Broken, expand, form, permute, plain, size, spaces as held_spaces, view,
 )
 
-__all__ = ["carry", "tensors", "step", "UNIFORM", "Input", "filled"]
+__all__ = ["carry", "tensors", "step", "UNIFORM", "Input", "filled", "arg"]
 
 UNIFORM = "<uniform>"  # an operand that holds one value everywhere (zeros, a fill)
 
@@ -101,7 +101,8 @@ def _name(func) -> str:
     return func.overloadpacket.__name__
 
 
-def _arg(func, args, kwargs, name, default=None):
+def arg(func, args, kwargs, name, default=None):
+    """Argument ``name`` of a call of the ATen op ``func``, by keyword or position (``default``: absent)."""
     names = argument_names(func)
     if name in kwargs:
         return kwargs[name]
@@ -226,20 +227,20 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     elif base in ("permute", "transpose", "t", "swapaxes", "numpy_T"):
         nd = x.dim()
         if base == "permute":
-            order = [_norm(d, nd) for d in _arg(func, args, kwargs, "dims")]
+            order = [_norm(d, nd) for d in arg(func, args, kwargs, "dims")]
         else:
             order = list(range(nd))
             if nd == 2 and base in ("t", "numpy_T"):
                 order = [1, 0]
             else:
-                a, b = (_norm(_arg(func, args, kwargs, k), nd) for k in ("dim0", "dim1"))
+                a, b = (_norm(arg(func, args, kwargs, k), nd) for k in ("dim0", "dim1"))
                 order[a], order[b] = order[b], order[a]
         found = [(outs[0], permute(first, order))]
     elif base in ("select", "unbind"):
-        d = _norm(_arg(func, args, kwargs, "dim", 0), x.dim())
+        d = _norm(arg(func, args, kwargs, "dim", 0), x.dim())
         found = [(o, _reduced(first, [d], False, f"{base} (an index into them)")) for o in outs]
     elif base == "slice":
-        d = _norm(_arg(func, args, kwargs, "dim", 0), x.dim())
+        d = _norm(arg(func, args, kwargs, "dim", 0), x.dim())
         o = outs[0]
         if o.shape[d] != x.shape[d]:
             _reduced(first, [d], False, "slice (a part of them)")
@@ -258,21 +259,21 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     elif "scaled_dot_product" in base:
         found = _attention(func, args, kwargs, held, outs, spaces)
     elif base in _SOFTMAX:
-        d = _norm(_arg(func, args, kwargs, "dim", -1), x.dim())
+        d = _norm(arg(func, args, kwargs, "dim", -1), x.dim())
         _reduced(first, [d], False, f"{base}")
         found = [(o, first if o.dim() == x.dim() else plain(o.shape)) for o in outs]
         found = [(o, dims if tuple(o.shape) == tuple(x.shape) else
                   first[:d] + plain((o.shape[d],)) + first[d + 1:]) for o, dims in found]
     elif base in _NORMS:
-        k = len(_dims_list(_arg(func, args, kwargs, "normalized_shape")))
+        k = len(_dims_list(arg(func, args, kwargs, "normalized_shape")))
         axes = list(range(x.dim() - k, x.dim()))
         kept = _reduced(first, axes, True, "a norm")
         found = [(o, first if tuple(o.shape) == tuple(x.shape) else kept) for o in outs]
     elif torch.Tag.reduction in func.tags or base in ("max", "min", "argmax", "argmin", "var_mean",
                                                       "std_mean", "logsumexp", "linalg_vector_norm"):
-        axes = _dims_list(_arg(func, args, kwargs, "dim"))
+        axes = _dims_list(arg(func, args, kwargs, "dim"))
         axes = [_norm(a, x.dim()) for a in axes] or list(range(x.dim()))
-        keep = bool(_arg(func, args, kwargs, "keepdim", False))
+        keep = bool(arg(func, args, kwargs, "keepdim", False))
         dims = _reduced(first, axes, keep, f"{base} (a reduction)")
         found = [(o, dims) for o in outs]
     elif base in ("index_select", "index_add", "index_copy", "index_fill", "scatter", "scatter_add",
@@ -289,7 +290,7 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
 
 
 def _split(func, args, kwargs, x, first, outs, spaces) -> list:
-    d = _norm(_arg(func, args, kwargs, "dim", 0), x.dim())
+    d = _norm(arg(func, args, kwargs, "dim", 0), x.dim())
     sizes = tuple(o.shape[d] for o in outs)
     if not held_spaces((first[d],)):
         return [(o, first[:d] + plain((o.shape[d],)) + first[d + 1:]) for o in outs]
@@ -307,7 +308,7 @@ def _split(func, args, kwargs, x, first, outs, spaces) -> list:
 
 def _cat(func, args, kwargs, items, outs, spaces, base) -> list:
     out = outs[0]
-    d = _norm(_arg(func, args, kwargs, "dim", 0), out.dim())
+    d = _norm(arg(func, args, kwargs, "dim", 0), out.dim())
     parts = [it for it in items if not (len(it[1]) == 1 and it[1][0] == 0)]  # torch.cat skips empty 1-D
     if base == "stack":
         parts = [(dims[:d] + ((),) + dims[d:], s[:d] + (1,) + s[d:], p) for dims, s, p in parts]
@@ -344,9 +345,9 @@ def _matmul(base: str, items: list, shape: tuple, spaces) -> tuple:
 def _attention(func, args, kwargs, held, outs, spaces) -> list:
     """Scaled dot-product attention: heads (dim 1) and batch (dim 0) line up across q, k, v
     and the mask; positions and head dims must be whole."""
-    q, k, v = (_arg(func, args, kwargs, n) for n in ("query", "key", "value"))
-    mask = _arg(func, args, kwargs, "attn_mask", _arg(func, args, kwargs, "attn_bias"))
-    if _arg(func, args, kwargs, "enable_gqa", False) and q.shape[1] != k.shape[1]:
+    q, k, v = (arg(func, args, kwargs, n) for n in ("query", "key", "value"))
+    mask = arg(func, args, kwargs, "attn_mask", arg(func, args, kwargs, "attn_bias"))
+    if arg(func, args, kwargs, "enable_gqa", False) and q.shape[1] != k.shape[1]:
         raise Broken(held_spaces(held.dims(q) + held.dims(k)), "attention with grouped KV heads "
                      "(enable_gqa), which reads the head counts")
     items = [(held.dims(t), tuple(t.shape), held.param(t)) for t in (q, k, v)]
@@ -367,7 +368,7 @@ def _indexed(func, args, kwargs, items, outs, spaces, base) -> list:
     """Index ops along one dim: that dim must be whole; the others line up between the
     tensor and its source."""
     x = items[0]
-    d = _norm(_arg(func, args, kwargs, "dim", 0), len(x[1]))
+    d = _norm(arg(func, args, kwargs, "dim", 0), len(x[1]))
     for dims, _, _ in items:
         if len(dims) > d and held_spaces((dims[d],)):
             raise Broken(held_spaces((dims[d],)), f"{base} along the sharded features")

@@ -55,7 +55,7 @@ from tpfn.analysis.factors import REPEAT, Broken, expand, form, local_shape, pla
 from tpfn.analysis.findings import Finding
 from tpfn.analysis.hybrid import Hybrid
 from tpfn.analysis.inputs import tensors as leaves
-from tpfn.analysis.rules import carry, filled, step, tensors
+from tpfn.analysis.rules import arg, carry, filled, step, tensors
 from tpfn.analysis.spaces import Spaces
 from tpfn.analysis.values import Value, layout_of, sharded, value_of
 from tpfn.analysis.where import asks_rank, caller, failing_module, rank_reads
@@ -141,7 +141,7 @@ def _zeros(func, args, kwargs) -> bool:
     base = _name(func)
     if base in _ZEROS:
         return True
-    value = _arg(func, args, kwargs, "fill_value", _arg(func, args, kwargs, "value"))
+    value = arg(func, args, kwargs, "fill_value", arg(func, args, kwargs, "value"))
     return base in ("full", "full_like", "new_full", "fill") and isinstance(value, (int, float)) and value == 0
 
 
@@ -150,16 +150,8 @@ def _name(func) -> str:
     return name[:-1] if name.endswith("_") and not name.startswith("_") else name
 
 
-def _arg(func, args, kwargs, name, default=None):
-    names = argument_names(func)
-    if name in kwargs:
-        return kwargs[name]
-    i = names.index(name) if name in names else None
-    return args[i] if i is not None and i < len(args) else default
-
-
 def _axes(func, args, kwargs, ndim: int) -> list:
-    dims = _arg(func, args, kwargs, "dim")
+    dims = arg(func, args, kwargs, "dim")
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     return [d % ndim for d in dims] if dims else list(range(ndim))
 
@@ -326,7 +318,7 @@ class _Typing(TorchDispatchMode):
         if base not in ("split", "split_with_sizes", "unsafe_split") or len(outs) < 2:
             return None
         x, value = ins[0], values[0]
-        d = _arg(func, args, kwargs, "dim", 0) % x.dim()
+        d = arg(func, args, kwargs, "dim", 0) % x.dim()
         found = form(value.dims[d])
         if found is None:
             return None
