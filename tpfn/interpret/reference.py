@@ -101,7 +101,7 @@ class Call:
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
         out_shape = None if shape is None else mount.out_shape(rt.module, shape)
         return convert(output, slot, rt, local=mount.outputs.local, grad=_cotangent(slot.out),
-                       what=f"the output of {mount.where}", shape=out_shape)
+                       what=f"the output of {mount.where}", shape=out_shape, own=True)
 
 
 def reference(call: Call):
@@ -171,11 +171,12 @@ def global_shape(x, slot, rt, what: str, exact: bool = False) -> tuple:
     return rt.state.shapes.recall(x, given, rt.mesh, what, exact or given != placements(slot.out, x.ndim))
 
 
-def convert(x, slot, rt, *, local: bool, grad, what: str, shape=None, replica: bool = False):
+def convert(x, slot, rt, *, local: bool, grad, what: str, shape=None, replica: bool = False, own: bool = False):
     """One input or output ``x`` (``what``) through its ``slot`` on ``rt``'s mesh: a local tensor
     (``local``) or a DTensor in the slot's layout. A local tensor handed on gets its gradient back
     in ``grad`` (None: it needs none); ``shape``: its global shape, where the caller knows it;
-    ``replica``: a local replica its module's children may read (their partial gradients handed to it)."""
+    ``replica``: a local replica its module's children may read (their partial gradients handed to it);
+    ``own``: an output, which its caller may write in place (so not ``to_local``'s view of a DTensor)."""
     if x is None or slot.untouched:
         return x
     mesh, shapes = rt.mesh, rt.state.shapes
@@ -212,6 +213,7 @@ def convert(x, slot, rt, *, local: bool, grad, what: str, shape=None, replica: b
     if not local:
         return dt
     out = dt.to_local(grad_placements=None if grad is None else placements(grad, x.ndim))
+    out = out.clone() if own and out.requires_grad else out
     shapes.remember(out, dt.placements, dt.shape, mesh)
     return out
 
@@ -322,7 +324,7 @@ def outputs(output, spec, rt, where: str):
     local = True if spec.local is None else spec.local
 
     def one(x, slot, what):
-        return convert(x, slot, rt, local=local, grad=_cotangent(slot.out), what=what)
+        return convert(x, slot, rt, local=local, grad=_cotangent(slot.out), what=what, own=True)
 
     def check(n):
         if len(spec.slots) > n:
