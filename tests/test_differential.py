@@ -204,6 +204,11 @@ def descriptions(draw) -> dict:
     # (gradients off), then changed in place, then hooked by the next linear's pre-hook.
     assume(not (d["thread"] and d["checkpoint"] == "reentrant" and d["variant"] in ("relu in place", "q in place")
                 and any(kind in ("input hook", "retain_grad") for kind, _ in d["observers"])))
+    # torch forbids writing in place the output of a module with a backward hook; one device
+    # meets it in the reentrant recomputation's backward (or has nothing to differentiate), the
+    # reference route in the first forward when a worker thread turns gradients on inside it.
+    assume(not (d["thread"] and d["checkpoint"] == "reentrant" and d["variant"] in ("relu in place", "q in place")
+                and any(kind == "backward hook" for kind, _ in d["observers"])))
     return d
 
 

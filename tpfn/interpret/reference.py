@@ -1,21 +1,18 @@
 """The reference route: what a bound module computes, written plainly.
 
 A call of a bound module (a ``Call``: its runtime and its inputs as they arrive) is computed in
-three steps; a fast kernel (``tpfn.kernels``) may compute a call instead, with the same numbers
-and what every observer sees, or leave it to this route (``parallelize(..., kernels=False)``:
-always this route).
+three steps; a fast kernel (``tpfn.kernels``) may compute it instead, with the same numbers and
+what every observer sees, or leave it to this route (``parallelize(..., kernels=False)``: always).
 
-1. Each input through its slot (``inputs``, ``convert``): a local tensor moved once from the
-   layout it arrives in to the one its module computes with, by the algebra's steps in one
-   autograd node (``tpfn.interpret.moves``); a DTensor checked and redistributed by DTensor; for a
-   module that computes on DTensors, a local tensor annotated as one.
-2. The module's computation: on local shards (``Mount.shards``), its own forward, or the forward
-   its row supplies (a vocabulary's mask, dropout's slice of one device's noise, a random stream
-   of each rank's, attention on each rank's heads: ``tpfn.plans.kinds``), while its parameters are
-   local views of their shards (``_views``; put back whatever happens); else its own forward on
-   DTensors, whose collectives DTensor issues. In invariant mode a sequence-parallel module with
-   partial parameter gradients computes once per chunk of the sequence
-   (``tpfn.interpret.invariant.by_tokens``).
+1. Each input through its slot (``inputs``, ``convert``): a local tensor moved once to the layout
+   its module computes with, by the algebra's steps in one autograd node (``tpfn.interpret.moves``);
+   a DTensor checked and redistributed by DTensor; for a module on DTensors, annotated as one.
+2. The module's computation: on local shards (``Mount.shards``), its own forward or the one its
+   row supplies (a vocabulary's mask, dropout's slice of one device's noise, a random stream of
+   each rank's, attention on each rank's heads: ``tpfn.plans.kinds``), its parameters local views
+   of their shards (``_views``; put back whatever happens); else its own forward on DTensors. In
+   invariant mode a sequence-parallel module with partial parameter gradients computes once per
+   chunk of the sequence (``tpfn.interpret.invariant.by_tokens``).
 3. Each output through its slot (``Call.finish``).
 
 A sharded local tensor's global shape (seven positions are 4 and 3 on two ranks) comes from the
@@ -86,8 +83,7 @@ class Call:
 
     def finish(self, output, shape=None):
         """The module's ``output`` through its output slots (``shape``: input 0's global shape)."""
-        rt = self.rt
-        mount, observer = rt.mount, rt.state.observer
+        rt, mount, observer = self.rt, self.rt.mount, self.rt.state.observer
         if observer is not None:
             observer.outputs(rt, output)
         shards = mount.shards
@@ -99,15 +95,14 @@ class Call:
                 f"the output of {mount.where} is {type(output).__name__}, not a tensor, but "
                 f"{mount.style!r} declares one output laid out {slot.given!r}; return one "
                 "tensor, or leave out output= and lay out the items with prepare_out(..., given=...).")
-        out_shape = None if shape is None else mount.out_shape(rt.module, shape)
+        shape = None if shape is None else mount.out_shape(rt.module, shape)
         return convert(output, slot, rt, local=mount.outputs.local, grad=_cotangent(slot.out),
-                       what=f"the output of {mount.where}", shape=out_shape, own=True)
+                       what=f"the output of {mount.where}", shape=shape, own=True)
 
 
 def reference(call: Call):
     """The module's output for ``call``, by the reference route (the module docstring)."""
-    rt = call.rt
-    mount = rt.mount
+    rt, mount = call.rt, call.rt.mount
     shape = None if mount.shards is None else call.shape()
     args, kwargs = inputs(call.args, call.kwargs, mount.inputs, rt, mount.where, shape)
     if rt.state.observer is not None:
@@ -120,8 +115,8 @@ def reference(call: Call):
         _views(rt, saved)
         if rt.tokens:  # invariant mode: per chunk of the sequence (tpfn.interpret.invariant)
             output = by_tokens(call, args, kwargs, saved, forward, rt.tree)
-        else:
-            output = rt.forward(*args, **kwargs) if forward is None else forward(call, *args, **kwargs)
+        else:  # its own forward, or its row's
+            output = (forward or Call.own)(call, *args, **kwargs)
     finally:
         for table, name, param in reversed(saved):
             table[name] = param
@@ -181,10 +176,7 @@ def convert(x, slot, rt, *, local: bool, grad, what: str, shape=None, replica: b
         return x
     mesh, shapes = rt.mesh, rt.state.shapes
     if not isinstance(x, torch.Tensor):
-        if slot.given is None or slot.desired is None:
-            layout = repr(slot.given if slot.desired is None else slot.desired)
-        else:
-            layout = f"{slot.given!r} -> {slot.desired!r}"
+        layout = " -> ".join(repr(p) for p in (slot.given, slot.desired) if p is not None)
         raise TypeError(f"{what} is declared {layout} but is {type(x).__name__}, not a tensor; "
                         "mark it None to leave it alone.")
     slot.fit(x, what)
@@ -298,10 +290,9 @@ def inputs(args: tuple, kwargs: dict, spec, rt, where: str, first_shape=None) ->
                           f"keyword input {name!r} of {where} (passed as input {i})")
     for name, heads in rt.mount.per_head:  # the rows of its heads, whole on every rank
         i = names.index(name) if name in names else len(args)
-        if i < len(args):
-            args[i] = _per_head(args[i], heads, rt, f"input {name!r} of {where}")
-        elif kwargs.get(name) is not None:
-            kwargs[name] = _per_head(kwargs[name], heads, rt, f"input {name!r} of {where}")
+        table, key = (args, i) if i < len(args) else (kwargs, name)
+        if i < len(args) or kwargs.get(name) is not None:
+            table[key] = _per_head(table[key], heads, rt, f"input {name!r} of {where}")
     return tuple(args), kwargs
 
 
