@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 import statistics
 import time
@@ -41,54 +42,50 @@ import torch
 from benchmarks import step_time
 from benchmarks.common import interleaved
 
+_VIEWS = ("_View", "_grads", "grad_spec", "view", "forward", "backward")  # moves.py from _View on
+
 GROUPS = (  # (label, predicate on (file, line, function)); first match wins; self time
-    ("Runtime.__call__ / _outputs (parallelize.py)",
-     lambda f, n: f.endswith("tpfn/interpret/parallelize.py")),
-    ("convert / prepare_inputs / prepare_outputs / global_shape (prepare.py)",
-     lambda f, n: f.endswith("tpfn/interpret/prepare.py")),
-    ("param views: local_params, _view, _View fwd/bwd (moves.py)",
-     lambda f, n: f.endswith("tpfn/interpret/moves.py") and n in ("local_params", "_view")),
-    ("moves: move, _Move, _Step, _steps, placements (moves.py, bounded.py)",
-     lambda f, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/bounded.py"))),
-    ("shape memory: Shapes, recall, TENSOR_SHAPES (state.py, _torch.py)",
-     lambda f, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith((
+    ("Runtime.__call__, the context of a call (parallelize.py)",
+     lambda f, line, n: f.endswith("tpfn/interpret/parallelize.py")),
+    ("the reference route: Call, inputs, convert, outputs (reference.py, prepare.py)",
+     lambda f, line, n: f.endswith(("tpfn/interpret/reference.py", "tpfn/interpret/prepare.py"))),
+    ("param views: _View fwd/bwd, view, grad_spec (moves.py)",
+     lambda f, line, n: f.endswith("tpfn/interpret/moves.py") and n in _VIEWS and line >= _view_line()),
+    ("moves: move, _Move, Move, program, placements (moves.py, bounded.py)",
+     lambda f, line, n: f.endswith(("tpfn/interpret/moves.py", "tpfn/bounded.py"))),
+    ("the linear kernel and its column group (kernels/linear.py)",
+     lambda f, line, n: "tpfn/kernels/" in f),
+    ("shape memory: Shapes, recall (state.py, _torch.py)",
+     lambda f, line, n: (f.endswith("tpfn/interpret/state.py") and not n.startswith((
          "_accum", "_hook", "_reached", "_reduce", "_param", "_partial", "params", "arm", "watch",
          "running", "join", "__call__")))
      or (f.endswith("tpfn/_torch.py") and "Weak" in n) or f.endswith("weakref.py")),
     ("partial-grad flush and hooks (state.py PartialGrads)",
-     lambda f, n: f.endswith("tpfn/interpret/state.py")),
-    ("other tpfn", lambda f, n: "/tpfn/" in f),
-    ("DTensor internals (torch/distributed/tensor)", lambda f, n: "torch/distributed/tensor" in f),
+     lambda f, line, n: f.endswith("tpfn/interpret/state.py")),
+    ("other tpfn", lambda f, line, n: "/tpfn/" in f),
+    ("DTensor internals (torch/distributed/tensor)", lambda f, line, n: "torch/distributed/tensor" in f),
     ("torch.distributed collectives (python side)",
-     lambda f, n: "torch/distributed" in f or "c10d" in n or "all_reduce" in n
+     lambda f, line, n: "torch/distributed" in f or "c10d" in n or "all_reduce" in n
      or "all_gather" in n or "reduce_scatter" in n or "wait_tensor" in n),
-    ("optimizer python (torch/optim)", lambda f, n: "torch/optim" in f),
-    ("benchmarks.handwritten", lambda f, n: f.endswith("benchmarks/handwritten.py")),
-    ("torch autograd / nn python", lambda f, n: "/torch/" in f),
-    ("builtins and C ops (matmul, sdpa, ...)", lambda f, n: True),
+    ("optimizer python (torch/optim)", lambda f, line, n: "torch/optim" in f),
+    ("benchmarks.handwritten", lambda f, line, n: f.endswith("benchmarks/handwritten.py")),
+    ("torch autograd / nn python", lambda f, line, n: "/torch/" in f),
+    ("builtins and C ops (matmul, sdpa, ...)", lambda f, line, n: True),
 )
 
 
 def _group(file: str, line: int, name: str) -> str:
-    if file.endswith("tpfn/interpret/moves.py") and name in ("forward", "backward") \
-            and _VIEWS[0] <= line < _VIEWS[1]:
-        return GROUPS[2][0]
-    for label, test in GROUPS:
-        if test(file, name):
-            return label
-    return "?"
+    return next(label for label, test in GROUPS if test(file, line, name))
 
 
-def _view_lines() -> tuple:
-    """The lines of moves.py from _View to vocab_mask: the parameter views."""
+@functools.lru_cache(maxsize=None)
+def _view_line() -> int:
+    """The first line of the parameter views in moves.py (``_View`` and what follows it)."""
     import inspect
 
     from tpfn.interpret import moves
 
-    return (inspect.getsourcelines(moves._View)[1], inspect.getsourcelines(moves.vocab_mask)[1])
-
-
-_VIEWS = _view_lines()
+    return inspect.getsourcelines(moves._View)[1]
 
 
 def _build(model_name: str, sp: bool):
