@@ -35,7 +35,7 @@ __all__ = [
     "unregister_process_group", "DTensorSpec", "TensorMeta", "redistribute_local_tensor", "StridedShard",
     "DropoutNd", "TorchDispatchMode", "WeakTensorKeyDictionary", "MIXING", "assert_async",
     "current_mesh", "private_mesh", "queue_callback", "swap_in_place", "in_a_graph", "local_tensor",
-    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "pre_hooked", "has_pre_hook", "hooked",
+    "spec_of", "keep_mesh", "meta_dtensor", "next_sequence_nr", "has_pre_hook", "hooked",
     "tensor_observed", "sequence_nr", "current_node", "graph_task_id", "will_run", "per_rank",
     "rank_sizes", "simulated_shapes", "parameter", "gradient_hooks", "move_gradient_hooks", "op_packet",
     "CPU_ATTENTION", "nonzero_on_meta", "with_children"]
@@ -71,15 +71,9 @@ def queue_callback(fn) -> None:
 _TRACKERS = (ModTracker, ModuleTracker)
 
 
-def pre_hooked(module: nn.Module) -> bool:
-    """Whether a forward pre-hook (its own, or a global one) that may change ``module`` runs
-    before its forward: any but those that only observe, tpfn's recording hooks (marked
-    ``observes_only``) and torch's module trackers (``CommDebugMode``'s, ``FlopCounterMode``'s)."""
-    hooks = (*module._forward_pre_hooks.values(), *nn.modules.module._global_forward_pre_hooks.values())
-    return any(_user(hook) for hook in hooks)
-
-
 def _user(hook) -> bool:
+    """Whether ``hook`` is a user's: not one that only observes, tpfn's recording hooks (marked
+    ``observes_only``) and torch's module trackers (``CommDebugMode``'s, ``FlopCounterMode``'s)."""
     return not (getattr(hook, "observes_only", False) or isinstance(getattr(hook, "__self__", None), _TRACKERS))
 
 
@@ -91,7 +85,7 @@ def has_pre_hook(module: nn.Module, hook) -> bool:
 def hooked(module: nn.Module) -> bool:
     """Whether a user's module hook sees ``module``'s inputs or their gradients (a forward
     pre-hook, forward hook, backward hook or backward pre-hook, its own or a global one), which
-    could keep them or read a partial sum; those that only observe (``pre_hooked``'s) aside."""
+    could keep them or read a partial sum; those that only observe (``_user``) aside."""
     m = nn.modules.module
     for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
                   module._backward_pre_hooks, m._global_forward_pre_hooks, m._global_forward_hooks,
@@ -382,11 +376,9 @@ def heads_mesh(mesh, heads: int):
     for name, members in zip(view.mesh_dim_names, (grid[:, column], grid[row])):
         size, mine = len(members), int((members == rank).nonzero())
         prefix = f"tpfn/heads-views/{epoch}/{name == base}/{members.tolist()}"
-        sub = ProcessGroup(dist.PrefixStore(prefix, store), mine, size)
-        backend = FakeProcessGroup._create_internal(mine, size) if fake else dist.ProcessGroupGloo(
+        backend = fake_backend(mine, size) if fake else dist.ProcessGroupGloo(
             dist.PrefixStore(prefix + "/gloo", store), mine, size, datetime.timedelta(seconds=300))
-        sub._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM if fake
-                              else ProcessGroup.BackendType.GLOO, backend)
+        sub = cpu_group(dist.PrefixStore(prefix, store), mine, size, backend)
         sub._set_group_name(f"{name}-{members.tolist()}")
         register_process_group(sub.group_name, sub)
         view._dim_group_names.append(sub.group_name)

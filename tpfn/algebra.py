@@ -32,7 +32,7 @@ from __future__ import annotations
 import attrs
 import sympy
 
-from tpfn.layout import Partial, Replicate, Shard, as_layout, normalize
+from tpfn.layout import Partial, Replicate, Shard, as_layout, normalize, symbolic
 
 __all__ = ["AllGather", "AllReduce", "ReduceScatter", "AllToAll", "Chunk", "Split", "Step", "transition",
            "chunk_bounds", "shard_ranges", "pullback", "cotangent", "local_shape", "comm_bytes",
@@ -272,10 +272,6 @@ def pullback(src, dst, grad=None, *, to=None, ndim: int | None = None) -> tuple:
     return transition(grad, land, ndim=ndim)
 
 
-def _is_symbolic(*values) -> bool:
-    return any(isinstance(v, sympy.Basic) for v in values)
-
-
 def chunk_bounds(n: int, k: int, c: int) -> tuple:
     """``(start, size)`` of chunk ``c`` when ``torch.chunk`` splits ``n`` items into ``k``.
 
@@ -286,7 +282,7 @@ def chunk_bounds(n: int, k: int, c: int) -> tuple:
 
 
 def _chunk_size(n, k, c):
-    if not _is_symbolic(n, k, c):
+    if not symbolic(n, k, c):
         q = -(-n // k)
         return max(0, min(n, (c + 1) * q) - c * q)
     n, k, c = sympy.sympify(n), sympy.sympify(k), sympy.sympify(c)
@@ -299,7 +295,7 @@ def _chunk_size(n, k, c):
 def _head_chunks(placement: Shard, k: int, c: int) -> range:
     """The heads (``torch.chunk``s of the dim) that rank ``c`` of ``k`` holds."""
     h = placement.heads
-    if _is_symbolic(k, c):
+    if symbolic(k, c):
         raise ValueError(f"{placement!r} on a symbolic number of ranks: whether they divide {h} heads or are "
                          "a multiple of them decides what each holds; give the number of ranks.")
     if h % k == 0:

@@ -339,18 +339,18 @@ def _done(out: torch.Tensor, work, bound: Bound, wait: bool, then=None):
     return finish() if wait else finish
 
 
-def all_reduce(x: torch.Tensor, op: str, bound: Bound, wait: bool = True, options=None, *, own: bool = False):
+def all_reduce(x: torch.Tensor, op: str, bound: Bound, wait: bool = True, *, own: bool = False):
     """The ranks' ``x`` reduced with ``op`` (``"sum"``, ``"max"``), a new tensor; ``own``: a
     contiguous buffer the caller made, reduced where it lies."""
-    if type(x) is not torch.Tensor or x.device.type == "meta":  # simulated ranks' (LocalTensorMode), a dry run's
+    if not _plain(x):  # simulated ranks' (LocalTensorMode), a dry run's
         out = all_reduced(x, op, bound.group)
         return out if wait else lambda: out
     out = x if own and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-    options = options or bound.options("allreduce", reduceOp=_OPS[op])
+    options = bound.options("allreduce", reduceOp=_OPS[op])
     return _done(out, bound.issue(bound.group.allreduce, [out], options), bound, wait)
 
 
-def all_gather(x: torch.Tensor, dim: int, n: int, bound: Bound, wait: bool = True, options=None):
+def all_gather(x: torch.Tensor, dim: int, n: int, bound: Bound, wait: bool = True):
     """The ranks' ``x`` concatenated along ``dim``."""
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank-major, as the collective fills it
@@ -359,11 +359,10 @@ def all_gather(x: torch.Tensor, dim: int, n: int, bound: Bound, wait: bool = Tru
         shape = list(x.shape)
         shape[dim] *= n
         then = lambda out: out.view(n, *x.shape).movedim(0, dim).reshape(shape)  # noqa: E731
-    options = options or bound.options("allgather")
-    return _done(out, bound.issue(all_gather_into, out, x, bound.group, options), bound, wait, then)
+    return _done(out, bound.issue(all_gather_into, out, x, bound.group, bound.options("allgather")), bound, wait, then)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, n: int, bound: Bound, options, wait: bool = True):
+def _reduce_scatter(x: torch.Tensor, dim: int, n: int, bound: Bound, wait: bool = True):
     """This rank's chunk along ``dim`` of the sum of the ranks' ``x``."""
     shape = list(x.shape)
     shape[dim] //= n
@@ -372,6 +371,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, n: int, bound: Bound, options, wa
     x = x.contiguous()
     out = x.new_empty(shape)
     flat = x.reshape(n * shape[0], *shape[1:])
+    options = bound.options("reduce_scatter")
     return _done(out, bound.issue(reduce_scatter_into, out, flat, bound.group, options), bound, wait)
 
 
@@ -380,13 +380,13 @@ def _plain(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and x.device.type != "meta"
 
 
-def _redistributed(x: torch.Tensor, mesh, shape: tuple, src, dst, bound: Bound) -> torch.Tensor:
-    """Local ``x`` of a tensor of global ``shape`` on the 1-D ``mesh`` moved from torch placement
+def _redistributed(x: torch.Tensor, mesh, shape: tuple, src: tuple, dst: tuple, bound: Bound) -> torch.Tensor:
+    """Local ``x`` of a tensor of global ``shape`` on the 1-D ``mesh`` moved from torch placements
     ``src`` to ``dst`` by DTensor (simulated ranks, meta tensors), issued with the bound."""
     meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), x.dtype)
     with bound.issuing():
-        return redistribute_local_tensor(x.contiguous(), DTensorSpec(mesh, (src,), tensor_meta=meta),
-                                         DTensorSpec(mesh, (dst,), tensor_meta=meta))
+        return redistribute_local_tensor(x.contiguous(), DTensorSpec(mesh, src, tensor_meta=meta),
+                                         DTensorSpec(mesh, dst, tensor_meta=meta))
 
 
 def tree_sum(x: torch.Tensor, mesh, bound: Bound, wait: bool = True):
@@ -399,7 +399,7 @@ def tree_sum(x: torch.Tensor, mesh, bound: Bound, wait: bool = True):
         out = flat.new_empty(n * flat.numel())
         work = bound.issue(all_gather_into, out, flat, bound.group, bound.options("allgather"))
         return _done(out, work, bound, wait, lambda out: total(out.view(n, *shape).unbind(0)))
-    out = total(_redistributed(x.unsqueeze(0), mesh, (n, *shape), _dt.Shard(0), _dt.Replicate(), bound).unbind(0))
+    out = total(_redistributed(x.unsqueeze(0), mesh, (n, *shape), (_dt.Shard(0),), (_dt.Replicate(),), bound).unbind(0))
     return out if wait else lambda: out
 
 
@@ -445,7 +445,7 @@ def _sum(step, x, mesh, shape, bound, wait):
 
 def _scatter(step, x, mesh, shape, bound, wait):
     if step.op == "sum" and _even(shape, step.dim, mesh.size()):
-        return _reduce_scatter(x, step.dim, mesh.size(), bound, bound.options("reduce_scatter"), wait)
+        return _reduce_scatter(x, step.dim, mesh.size(), bound, wait)
     return None
 
 
@@ -505,12 +505,9 @@ def run(step, x: torch.Tensor, mesh, shape: tuple, bound: Bound, wait: bool = Tr
         if out is not None:
             return out
     plain = RUN.get(type(step))
-    if plain is not None and type(x) is torch.Tensor and x.device.type != "meta":
+    if plain is not None and _plain(x):
         out = plain(step, x, mesh, shape, bound, wait)
         if out is not None:
             return out
-    meta = TensorMeta(torch.Size(shape), contiguous_strides(shape), x.dtype)
-    src, dst = (DTensorSpec(mesh, to_torch(p, len(shape)), tensor_meta=meta) for p in (step.src, step.dst))
-    with bound.issuing():
-        out = redistribute_local_tensor(x.contiguous(), src, dst)
+    out = _redistributed(x, mesh, shape, to_torch(step.src, len(shape)), to_torch(step.dst, len(shape)), bound)
     return out if wait else lambda: out

@@ -34,7 +34,7 @@ from torch.distributed import tensor as _dt
 from tpfn._torch import StridedShard
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "REDUCE_OPS", "as_layout", "is_placement",
-           "exact_in_torch", "normalize", "to_torch", "from_torch"]
+           "exact_in_torch", "normalize", "to_torch", "from_torch", "is_count", "symbolic"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -60,14 +60,15 @@ def _positive(instance, attribute, value):
         raise ValueError(f"'{attribute.name}' must be at least 1 (got {value!r}).")
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
+    """Whether ``value`` is a positive int (not a bool): a number of parts, heads or ranks."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _parts(instance, attribute, value):
     if not isinstance(value, tuple):
         return _positive(instance, attribute, value)
-    if len(value) < 2 or not all(map(_is_count, value)):
+    if len(value) < 2 or not all(map(is_count, value)):
         raise ValueError(f"'parts' must be a positive int or a tuple of two or more part "
                          f"sizes, each a positive int (got {value!r}).")
 
@@ -118,14 +119,14 @@ class Shard:
     def sizes(self, size) -> tuple:
         """The sizes of the parts packed in a dim of ``size`` (one part: ``(size,)``)."""
         if isinstance(self.parts, tuple):
-            if not _symbolic(size) and sum(self.parts) != size:
+            if not symbolic(size) and sum(self.parts) != size:
                 raise ValueError(f"{self!r} packs parts of {' + '.join(map(str, self.parts))} = "
                                  f"{sum(self.parts)} in dim {self.dim}, which has {size}.")
             return self.parts
-        if self.parts > 1 and not _symbolic(size) and size % self.parts:
+        if self.parts > 1 and not symbolic(size) and size % self.parts:
             raise ValueError(f"{self!r} needs dim {self.dim} to hold {self.parts} equal parts; "
                              f"it has {size}.")
-        part = size / self.parts if _symbolic(size) else size // self.parts
+        part = size / self.parts if symbolic(size) else size // self.parts
         return (part,) * self.parts
 
     def copies(self, n: int) -> int:
@@ -148,8 +149,9 @@ class Shard:
         return f"Shard(dim={self.dim}{extra})"
 
 
-def _symbolic(value) -> bool:
-    return isinstance(value, sympy.Basic)
+def symbolic(*values) -> bool:
+    """Whether any of ``values`` is a symbolic size (a dry run's ``sympy`` expression)."""
+    return any(isinstance(v, sympy.Basic) for v in values)
 
 
 @attrs.frozen(slots=True)

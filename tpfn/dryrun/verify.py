@@ -173,7 +173,7 @@ def _record(model: nn.Module, seen: dict, order: list) -> None:
                 order.append(fqn)
             ins = [_layout(x, _slot(module, "inputs", i)) for i, x in enumerate(tensors((args, kwargs)))]
             seen.setdefault(fqn, []).append([ins, None])
-        pre.observes_only = True  # (changes no module: see tpfn._torch.pre_hooked)
+        pre.observes_only = True  # (changes no module: see tpfn._torch.hooked)
 
         def post(module, args, kwargs, out, fqn=fqn):
             seen[fqn][-1][1] = [_layout(x, _slot(module, "outputs", i)) for i, x in enumerate(tensors(out))]

@@ -16,7 +16,7 @@ directly. Inputs come before the core, outputs after it, at most one core; ``par
 
 from __future__ import annotations
 
-from tpfn.layout import Partial, Placement, Replicate, Shard, is_placement
+from tpfn.layout import Partial, Placement, Replicate, Shard, is_count, is_placement
 from tpfn.style.slot import Slot, fold
 from tpfn.style.stages import Core, Inputs, OnShards, Outputs, Params, PerRank, flag, placement_or_none
 from tpfn.style.style import Style
@@ -29,17 +29,13 @@ def _local(local):
     return flag("'local'", local)
 
 
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def _parts(parts):
     if isinstance(parts, list):
         parts = tuple(parts)
-    if isinstance(parts, tuple) and not (len(parts) > 1 and all(map(_count, parts))):
+    if isinstance(parts, tuple) and not (len(parts) > 1 and all(map(is_count, parts))):
         raise TypeError(f"'parts' must be a positive int (equal parts) or a tuple of two or more "
                         f"positive part sizes, e.g. parts=(64, 16, 16) (got {parts!r}).")
-    if not isinstance(parts, tuple) and not _count(parts):
+    if not isinstance(parts, tuple) and not is_count(parts):
         raise TypeError(f"'parts' must be a positive int (got {parts!r} that is a {type(parts)!r}).")
     return parts
 
@@ -47,7 +43,7 @@ def _parts(parts):
 def _heads(heads, parts):
     if heads is None:
         return None
-    if not _count(heads):
+    if not is_count(heads):
         raise TypeError(f"'heads' must be a positive int, the number of heads the output features "
                         f"are (got {heads!r} that is a {type(heads)!r}).")
     if parts != 1:
@@ -357,11 +353,11 @@ def per_rank(*names: str, heads: int | None = None, per_head: int | None = None,
             raise TypeError(f"per_rank: attribute names must be attribute paths such as 'num_heads' or "
                             f"'config.num_attention_heads' (got {name!r}).")
     for what, h in (("heads", heads), ("per_head", per_head)):
-        if h is not None and not _count(h):
+        if h is not None and not is_count(h):
             raise TypeError(f"per_rank: {what!r} must be a positive int, the number of key/value heads "
                             f"(got {h!r} that is a {type(h)!r}).")
     inputs = {} if inputs is None else inputs
-    if not isinstance(inputs, dict) or not all(isinstance(k, str) and _count(h) for k, h in inputs.items()):
+    if not isinstance(inputs, dict) or not all(isinstance(k, str) and is_count(h) for k, h in inputs.items()):
         raise TypeError(f"per_rank: 'inputs' maps input names to their number of heads, e.g. "
                         f"inputs={{'alibi': 16}} (got {inputs!r}).")
     if not names and not inputs:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import attrs
 
-from tpfn.layout import Partial, Replicate, Shard, is_placement
+from tpfn.layout import Partial, Replicate, Shard, is_count, is_placement
 from tpfn.style.slot import Slot
 
 __all__ = ["Inputs", "Outputs", "Core", "OnShards", "Params", "PerRank", "CORES", "placement_or_none", "flag"]
@@ -66,10 +66,9 @@ _slots = _valid(lambda v: isinstance(v, tuple) and all(isinstance(x, Slot) for x
 _named = _valid(_pairs(lambda x: isinstance(x, Slot)), "a tuple of (name, Slot) pairs")
 _rules = _valid(_pairs(is_placement), "a tuple of (name, placement) pairs")
 _int = _valid(lambda v: isinstance(v, int) and not isinstance(v, bool), repr(int))
-_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
-_parts = _valid(lambda v: _count(v) or (isinstance(v, tuple) and len(v) > 1 and all(map(_count, v))),
+_parts = _valid(lambda v: is_count(v) or (isinstance(v, tuple) and len(v) > 1 and all(map(is_count, v))),
                 "a positive int or a tuple of two or more positive ints")
-_heads = _valid(lambda v: v is None or _count(v), "None or a positive int")
+_heads = _valid(lambda v: v is None or is_count(v), "None or a positive int")
 
 
 def _kind(instance, attribute, value):
@@ -217,7 +216,7 @@ def _path(name) -> bool:
 
 _paths = _valid(lambda v: isinstance(v, tuple) and v == tuple(sorted(set(v))) and all(map(_path, v)),
                 "a sorted tuple of attribute paths ('num_heads', 'config.num_attention_heads')")
-_per_head = _valid(_pairs(_count), "a tuple of (input name, number of heads) pairs")
+_per_head = _valid(_pairs(is_count), "a tuple of (input name, number of heads) pairs")
 
 
 @attrs.frozen(repr=False, cache_hash=True)
