@@ -1,0 +1,99 @@
+"""State-space blocks as channel-parallel blocks (Megatron's and vLLM's Mamba): the input
+projection column-wise in its two parts (x and the gate z), the depthwise convolution and the
+per-channel scan on each rank's channels (the mixer's ``A_log`` and ``D`` sharded on dim 0),
+the output projection row-wise. ``x_proj`` contracts the channels into the scan's ``dt``, ``B``
+and ``C``, which every channel reads: it computes whole on the gathered channels, and the
+gradients the ranks' channels give its output are partial sums (its weight's summed at the end
+of the backward, its input's reduce-scattered back to the channels). On 2 gloo ranks against
+one device: the output and every gradient, and the collectives of one step counted exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import tpfn
+from tests import shaped
+from tpfn import Partial, Replicate, Shard, colwise, on_shards, params, per_rank, plan, prepare_in, rowwise
+
+TOL = 1e-5  # float32, one forward and backward against one device, as the neighbouring tests
+
+# x_proj: whole on the gathered channels; the gradients the channels give its output are partial sums
+X_PROJ = (prepare_in(Shard(-1), desired=Replicate(), local=True) >> params(weight=Replicate())
+          >> on_shards(Replicate(), grads=Partial(), output=Replicate(), param_grads={"weight": Partial()}))
+
+
+def shaped_plan():
+    """tests/shaped.py's Mamba: its mixer reads ``self.d_inner`` for the scan's state, and calls
+    ``conv1d`` and ``dt_proj`` as modules."""
+    return plan({
+        "layers.*.mixer": params(A_log=Shard(0), D=Shard(0)) >> on_shards(Replicate(), output=Replicate())
+        >> per_rank("d_inner"),
+        "layers.*.mixer.in_proj": colwise(parts=2),
+        "layers.*.mixer.conv1d": params(weight=Shard(0), bias=Shard(0)) >> on_shards(Shard(1), output=Shard(1))
+        >> per_rank("groups"),
+        "layers.*.mixer.x_proj": X_PROJ,
+        "layers.*.mixer.dt_proj": prepare_in(Replicate(), grads=Partial(), local=True) >> colwise(),
+        "layers.*.mixer.out_proj": rowwise(),
+    })
+
+
+def hf_plan():
+    """transformers' MambaMixer (the torch path): its forward reads ``conv1d``'s and ``dt_proj``'s
+    parameters itself, so the mixer holds them, and its widths come from its inputs' shapes."""
+    channels = ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias")
+    return plan({
+        "backbone.layers.*.mixer": params(**dict.fromkeys(channels, Shard(0)))
+        >> on_shards(Replicate(), output=Replicate()),
+        "backbone.layers.*.mixer.in_proj": colwise(parts=2),
+        "backbone.layers.*.mixer.x_proj": X_PROJ,
+        "backbone.layers.*.mixer.out_proj": rowwise(),
+    })
+
+
+def hf_mamba():
+    import transformers as hf
+
+    hf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return hf.MambaForCausalLM(hf.MambaConfig(hidden_size=32, state_size=4, num_hidden_layers=2, vocab_size=64,
+                                              intermediate_size=64, time_step_rank=4, conv_kernel=4))
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, embeds):
+        return self.model(inputs_embeds=embeds).logits
+
+
+def _steps(n: int) -> dict:
+    from tests.models import one_step
+    from tests.ranks import mesh
+
+    found = {}
+    ref = shaped.MODELS["mamba"][0]()
+    found["mamba"] = one_step(tpfn.parallelize(copy.deepcopy(ref), mesh(n), shaped_plan()), ref,
+                              shaped.example("mamba"))
+    ref = _Logits(hf_mamba())
+    hf = plan({f"model.{k}": v for k, v in hf_plan().rules})
+    embeds = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    found["hf_mamba"] = one_step(tpfn.parallelize(copy.deepcopy(ref), mesh(n), hf), ref, embeds)
+    return found
+
+
+def test_a_mamba_mixer_is_one_channel_parallel_block_at_one_devices_numbers(ranks2):
+    found = ranks2.run(_steps, 2)[0]
+    for name, (errors, forward, backward) in found.items():
+        worst = max(errors.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, (name, worst)
+        # per mixer: forward x_proj's input gathered (and its global shape agreed: one more
+        # all-gather, of sizes), out_proj's partial sums all-reduced; backward x_proj's input
+        # gradient reduce-scattered, in_proj's input gradient all-reduced, and the partial
+        # gradients of both x_proj weights summed in one all-reduce at the end
+        assert (forward, backward) == ({"all_gather": 4, "all_reduce": 2},
+                                       {"reduce_scatter": 2, "all_reduce": 3}), name
