@@ -6,16 +6,20 @@ and ``C``, which every channel reads: it computes whole on the gathered channels
 gradients the ranks' channels give its output are partial sums (its weight's summed at the end
 of the backward, its input's reduce-scattered back to the channels). On 2 gloo ranks against
 one device: the output and every gradient, and the collectives of one step counted exactly.
+suggest finds the same plans (``tpfn.suggest.channels``), its header what explain counts; the
+check proves them but for the depthwise convolution, which no rule of its types yet.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import tpfn
 from tests import shaped
+from tests.test_suggest import comments, explained, header, notes
 from tpfn import Partial, Replicate, Shard, colwise, on_shards, params, per_rank, plan, prepare_in, rowwise
 
 TOL = 1e-5  # float32, one forward and backward against one device, as the neighbouring tests
@@ -97,3 +101,36 @@ def test_a_mamba_mixer_is_one_channel_parallel_block_at_one_devices_numbers(rank
         # gradients of both x_proj weights summed in one all-reduce at the end
         assert (forward, backward) == ({"all_gather": 4, "all_reduce": 2},
                                        {"reduce_scatter": 2, "all_reduce": 3}), name
+
+
+@pytest.mark.parametrize("name", ["mamba", "hf_mamba"])
+def test_suggest_shards_a_mamba_mixer_as_one_channel_parallel_block(name):
+    model, inputs, hand = ((shaped.MODELS["mamba"][0](), shaped.example("mamba"), shaped_plan()) if name == "mamba"
+                           else (hf_mamba(), {"input_ids": (2, 6)}, hf_plan()))
+    p = tpfn.suggest(model, 2, example_inputs=inputs)
+    assert p.rules == hand.rules
+    assert "a channel-parallel block: in_proj (2 parts of 64) column-wise; conv1d, A_log, D and the scan on " \
+           "each rank's channels; x_proj whole on the gathered channels; out_proj row-wise" in " ".join(
+               comments(p).replace("#", " ").split())
+    assert header(p) == explained(model, p, inputs) == ({"all_gather": 2, "all_reduce": 5, "reduce_scatter": 2},
+                                                        "18.0 KiB")
+    assert not any("conv1d" in k or "dt_proj" in k for k in notes(p) if k)  # (held by the block, never "left whole")
+
+
+def test_a_block_whose_channels_the_ranks_do_not_split_stays_whole_with_the_reason():
+    p = tpfn.suggest(shaped.MODELS["mamba"][0](), 3, example_inputs=shaped.example("mamba"))
+    assert notes(p)["layers.*.mixer"].startswith(
+        "left whole: 'layers.*.mixer' (MambaMixer): its 64 channels do not split evenly over 3 ranks; ")
+    assert "layers.*.mixer.A_log" not in str(p.rules)
+
+
+def test_the_check_proves_the_blocks_but_their_convolution_and_names_an_unsummed_gradient():
+    found = tpfn.check(shaped.MODELS["mamba"][0](), shaped_plan(), 2, shaped.example("mamba"))
+    assert {(f.kind, f.op) for f in found.findings} == {("unproven", "aten.convolution.default")}
+    # x_proj whole but handing back whole gradients: the partial ones its output gets are summed nowhere
+    wrong = plan({**dict(shaped_plan().rules), "layers.*.mixer.x_proj": prepare_in(
+        Shard(-1), desired=Replicate(), local=True) >> params(weight=Replicate()) >> on_shards(Replicate(),
+                                                                                              output=Replicate())})
+    found = tpfn.check(shaped.MODELS["mamba"][0](), wrong, 2, shaped.example("mamba"))
+    assert any(f.kind == "wrong" and "computed from the output of 'layers.0.mixer.x_proj'" in f.why
+               for f in found.findings)
