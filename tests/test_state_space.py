@@ -33,7 +33,7 @@ def shaped_plan():
     """tests/shaped.py's Mamba: its mixer reads ``self.d_inner`` for the scan's state, and calls
     ``conv1d`` and ``dt_proj`` as modules."""
     return plan({
-        "layers.*.mixer": params(A_log=Shard(0), D=Shard(0)) >> on_shards(Replicate(), output=Replicate())
+        "layers.*.mixer": params(A_log=Shard(0), D=Shard(0)) >> on_shards(Replicate())
         >> per_rank("d_inner"),
         "layers.*.mixer.in_proj": colwise(parts=2),
         "layers.*.mixer.conv1d": params(weight=Shard(0), bias=Shard(0)) >> on_shards(Shard(1), output=Shard(1))
@@ -50,7 +50,7 @@ def hf_plan():
     channels = ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias")
     return plan({
         "backbone.layers.*.mixer": params(**dict.fromkeys(channels, Shard(0)))
-        >> on_shards(Replicate(), output=Replicate()),
+        >> on_shards(Replicate()),
         "backbone.layers.*.mixer.in_proj": colwise(parts=2),
         "backbone.layers.*.mixer.x_proj": X_PROJ,
         "backbone.layers.*.mixer.out_proj": rowwise(),
@@ -75,6 +75,15 @@ class _Logits(torch.nn.Module):
         return self.model(inputs_embeds=embeds).logits
 
 
+def rwkv():
+    import transformers as hf
+
+    hf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return hf.RwkvForCausalLM(hf.RwkvConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, attention_hidden_size=32,
+                                            intermediate_size=64, context_length=16))
+
+
 def _steps(n: int) -> dict:
     from tests.models import one_step
     from tests.ranks import mesh
@@ -87,6 +96,11 @@ def _steps(n: int) -> dict:
     hf = plan({f"model.{k}": v for k, v in hf_plan().rules})
     embeds = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
     found["hf_mamba"] = one_step(tpfn.parallelize(copy.deepcopy(ref), mesh(n), hf), ref, embeds)
+    ref = rwkv()
+    ref.rwkv.embeddings = torch.nn.Identity()  # (its input: the embeddings, whose gradient is compared)
+    ref = _Logits(ref)
+    found["rwkv"] = one_step(tpfn.parallelize(copy.deepcopy(ref), mesh(n), tpfn.suggest(ref, n, example_inputs=embeds)),
+                             ref, embeds)
     return found
 
 
@@ -99,6 +113,11 @@ def test_a_mamba_mixer_is_one_channel_parallel_block_at_one_devices_numbers(rank
         # all-gather, of sizes), out_proj's partial sums all-reduced; backward x_proj's input
         # gradient reduce-scattered, in_proj's input gradient all-reduced, and the partial
         # gradients of both x_proj weights summed in one all-reduce at the end
+        if name == "rwkv":  # per block: the time mixing's output all-reduced forward, its key's, value's and
+            # receptance's input gradients backward; the channel mixing's pair: value's forward, key's backward;
+            # the head sharded alone: its output gathered, its input's gradient all-reduced
+            assert (forward, backward) == ({"all_reduce": 4, "all_gather": 1}, {"all_reduce": 9}), name
+            continue
         assert (forward, backward) == ({"all_gather": 4, "all_reduce": 2},
                                        {"reduce_scatter": 2, "all_reduce": 3}), name
 
@@ -134,3 +153,17 @@ def test_the_check_proves_the_blocks_but_their_convolution_and_names_an_unsummed
     found = tpfn.check(shaped.MODELS["mamba"][0](), wrong, 2, shaped.example("mamba"))
     assert any(f.kind == "wrong" and "computed from the output of 'layers.0.mixer.x_proj'" in f.why
                for f in found.findings)
+
+
+def test_suggest_shards_rwkvs_time_mixing_on_its_channels_and_finds_no_block_in_a_convnext_or_vit_block():
+    p = tpfn.suggest(rwkv(), 2, example_inputs={"input_ids": (2, 6)})
+    assert {k: v for k, v in p.rules if "attention" in k} == {
+        "rwkv.blocks.*.attention": params(time_decay=Shard(0), time_first=Shard(0), **dict.fromkeys(
+            ("time_mix_key", "time_mix_receptance", "time_mix_value"), Replicate())) >> on_shards(Replicate()),
+        "rwkv.blocks.*.attention.key": colwise(), "rwkv.blocks.*.attention.value": colwise(),
+        "rwkv.blocks.*.attention.receptance": colwise(), "rwkv.blocks.*.attention.output": rowwise()}
+    assert "a channel-parallel block: key (32 channels), value (32 channels), receptance (32 channels) " \
+           "column-wise; time_decay, time_first and the scan on each rank's channels; output row-wise" in " ".join(
+               comments(p).replace("#", " ").split())
+    from tpfn.suggest.channels import blocks
+    assert blocks(shaped.CNBlock(8), 2) == [] and blocks(shaped.TimmBlock(8, 2), 2) == []

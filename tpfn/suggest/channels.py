@@ -1,15 +1,17 @@
-"""Channel-parallel blocks: a state-space mixer (Mamba's) sharded on its channels, as Megatron
-and vLLM shard it.
+"""Channel-parallel blocks: a state-space mixer (Mamba's) or a recurrent time mixing (RWKV's)
+sharded on its channels, as Megatron and vLLM shard Mamba.
 
-A block is a module whose children are an input projection making ``k`` channels (or two
+A block is a module whose children are input projections making ``k`` channels (or two
 parts of ``k``: the channels and their gate), a depthwise ``nn.Conv1d`` over the ``k``
-channels, projections that contract the channels (``x_proj``: the scan's ``dt``, ``B`` and
-``C``) or expand back to them (``dt_proj``), and an output projection contracting them back to
-the input's width; its own parameters are per channel (``A_log``, ``D``: ``k`` rows). Each
+channels (or, without one, parameters of the module's own, one per channel: RWKV's
+``time_decay`` and ``time_first``), projections that contract the channels (``x_proj``: the
+scan's ``dt``, ``B`` and ``C``) or expand back to them (``dt_proj``), and an output projection
+contracting them back to the input's width; its own parameters are per channel (``A_log``,
+``D``: ``k`` rows), or replicated on the input's side (RWKV's ``time_mix_key``). Each
 rank takes ``1/n`` of the channels through the whole block:
 
-- the input projection column-wise (``colwise(parts=2)`` for the channels and their gate), the
-  output projection row-wise: one all-reduce of its partial sums per forward;
+- the input projections column-wise (``colwise(parts=2)`` for the channels and their gate),
+  the output projection row-wise: one all-reduce of its partial sums per forward;
 - the depthwise convolution, the scan and the block's own per-channel parameters on the rank's
   channels (``Shard(0)``; a convolution the block calls as a module holds its groups per rank,
   ``per_rank('groups')``; one whose weights the block reads itself, as transformers' mixer
@@ -37,10 +39,10 @@ then planned as any others.
 ...         self.A_log, self.D = nn.Parameter(torch.zeros(k, 4)), nn.Parameter(torch.ones(k))
 ...         self.out_proj = nn.Linear(k, d, bias=False)
 >>> [block] = blocks(nn.ModuleDict(dict(mixer=Mixer())), 2)
->>> block.fqn, block.channels, block.entry, block.exit, block.contract, block.expand, block.conv
-('mixer', 16, 'in_proj', 'out_proj', ('x_proj',), ('dt_proj',), 'conv1d')
+>>> block.fqn, block.channels, block.entries, block.exit, block.contract, block.expand, block.conv
+('mixer', 16, ('in_proj',), 'out_proj', ('x_proj',), ('dt_proj',), 'conv1d')
 >>> block.styles({"mixer", "mixer.conv1d", "mixer.x_proj", "mixer.dt_proj"}, ("d_inner",))["mixer"]
-params(A_log=Shard(dim=0), D=Shard(dim=0)) >> on_shards(Replicate(), output=Replicate()) >> per_rank('d_inner')
+params(A_log=Shard(dim=0), D=Shard(dim=0)) >> on_shards(Replicate()) >> per_rank('d_inner')
 """
 
 from __future__ import annotations
@@ -80,39 +82,44 @@ def depthwise(bias: bool):
 
 @attrs.frozen
 class Block:
-    """A channel-parallel block: its module, its ``channels`` (``k``), the children making,
-    mixing and contracting them (``parts``: the input projection's packed parts), its own
-    per-channel parameters and its int attributes holding ``k``."""
+    """A channel-parallel block: its module, its ``channels`` (``k``), the children making
+    them (``entries``, each of ``parts`` packed parts of ``k``), contracting them back
+    (``exit``), mixing them (``conv``, a depthwise convolution, or None), contracting them into
+    what every channel reads (``contract``) and expanding that back (``expand``); its own
+    parameters one row per channel (``own``) and the others (``whole``, replicated: RWKV's
+    ``time_mix_key``, on the input's side), and its int attributes holding ``k``."""
 
     fqn: str
     channels: int
-    entry: str
-    parts: int
+    entries: tuple
+    parts: tuple
     exit: str
-    conv: str
+    conv: str | None
     contract: tuple
     expand: tuple
     own: tuple
+    whole: tuple
     sizes: tuple
     biases: tuple  # the children (conv, contract, expand) that have a bias
 
     @property
     def members(self) -> tuple:
         """Every child the block's rules bind."""
-        return tuple(join(self.fqn, c) for c in (self.entry, self.exit, self.conv, *self.contract, *self.expand))
+        return tuple(join(self.fqn, c) for c in (*self.entries, self.exit, *([self.conv] if self.conv else []),
+                                                 *self.contract, *self.expand))
 
     @property
     def linears(self) -> tuple:
-        return tuple(join(self.fqn, c) for c in (self.entry, self.exit, *self.contract, *self.expand))
+        return tuple(join(self.fqn, c) for c in (*self.entries, self.exit, *self.contract, *self.expand))
 
     def styles(self, called: set, sizes: tuple) -> dict:
         """``{fqn: style}`` of the block and its children; ``called``: the modules the forward
         calls (a child it does not call has its parameters read by the block, which holds
         them); ``sizes``: the attributes held per rank."""
-        rules = dict.fromkeys(self.own, Shard(0))
-        out = {join(self.fqn, self.entry): colwise(parts=self.parts) if self.parts > 1 else colwise(),
-               join(self.fqn, self.exit): rowwise()}
-        for child in (self.conv, *self.expand):
+        rules = {**dict.fromkeys(self.own, Shard(0)), **dict.fromkeys(self.whole, Replicate())}
+        out = {join(self.fqn, e): colwise(parts=p) if p > 1 else colwise() for e, p in zip(self.entries, self.parts)}
+        out[join(self.fqn, self.exit)] = rowwise()
+        for child in ([self.conv] if self.conv else []) + list(self.expand):
             fqn = join(self.fqn, child)
             if fqn in called:
                 out[fqn] = (depthwise(child in self.biases) if child == self.conv else
@@ -122,18 +129,18 @@ class Block:
                                            Shard(0)))
         for child in self.contract:
             out[join(self.fqn, child)] = contracting(child in self.biases)
-        style = params(**rules) >> on_shards(Replicate(), output=Replicate())
+        style = params(**rules) >> on_shards(Replicate())
         out[self.fqn] = style >> per_rank(*sizes) if sizes else style
         return out
 
     def describe(self, n: int) -> str:
         """One line on the block, as a group's is."""
-        entry = f"{self.entry} ({self.parts} parts of {self.channels})" if self.parts > 1 else \
-            f"{self.entry} ({self.channels} channels)"
-        own = f", {', '.join(self.own)}" if self.own else ""
-        return (f"over {n} ranks, a channel-parallel block: {entry} column-wise; {self.conv}{own} and the scan "
-                f"on each rank's channels; {', '.join(self.contract)} whole on the gathered channels; "
-                f"{self.exit} row-wise, one all-reduce")
+        entries = ", ".join(f"{e} ({p} parts of {self.channels})" if p > 1 else f"{e} ({self.channels} channels)"
+                            for e, p in zip(self.entries, self.parts))
+        mixed = ", ".join([*([self.conv] if self.conv else []), *self.own])
+        whole = f"; {', '.join(self.contract)} whole on the gathered channels" if self.contract else ""
+        return (f"over {n} ranks, a channel-parallel block: {entries} column-wise; {mixed} and the scan "
+                f"on each rank's channels{whole}; {self.exit} row-wise, one all-reduce")
 
 
 def _linears(module: nn.Module) -> dict:
@@ -141,47 +148,51 @@ def _linears(module: nn.Module) -> dict:
 
 
 def _find(module: nn.Module, fqn: str, n: int):
-    """The ``Block`` of ``module`` (None: no block), or a sentence: a block that cannot be sharded."""
+    """The ``Block`` of ``module`` (None: no block), or a sentence: a block that cannot be sharded.
+
+    ``k`` is the depthwise convolution's channels, else the one length of the module's own 1-D
+    parameters (RWKV's ``time_decay``); the exit is the last linear registered that contracts
+    ``k`` back to the entries' input width, registered after them."""
     children = dict(module.named_children())
     convs = [name for name, c in children.items() if isinstance(c, nn.Conv1d) and c.groups == c.in_channels
              == c.out_channels > 1 and type(c).forward is nn.Conv1d.forward]
-    if len(convs) != 1:
+    own = tuple(name for name, _ in module.named_parameters(recurse=False))
+    rows = {module.get_parameter(name).shape[0] for name in own if module.get_parameter(name).dim() == 1}
+    if len(convs) > 1 or not convs and len(rows - {1}) != 1:
         return None
-    conv = convs[0]
-    k = children[conv].in_channels
+    conv = convs[0] if convs else None
+    k = children[conv].in_channels if conv else next(iter(rows - {1}))
     linears = _linears(module)
-    exits = [name for name, c in linears.items() if c.in_features == k and c.out_features != k]
-    entries = [name for name, c in linears.items() if c.out_features in (k, 2 * k) and c.in_features != k
-               and any(linears[e].out_features == c.in_features for e in exits)]
-    if len(entries) != 1:
+    widths = {c.in_features for c in linears.values() if c.out_features in (k, 2 * k)}
+    exits = [name for name, c in linears.items() if c.in_features == k and c.out_features in widths]
+    if not exits:
         return None
-    entry = entries[0]
-    width = linears[entry].in_features
-    exit_ = [e for e in exits if linears[e].out_features == width]
-    if len(exit_) != 1:
+    exit_ = exits[-1]
+    width = linears[exit_].out_features
+    entries = tuple(name for name, c in linears.items() if name != exit_ and c.in_features == width
+                    and c.out_features in (k, 2 * k))
+    contract = tuple(name for name, c in linears.items() if name != exit_ and c.in_features == k
+                     and name not in entries)
+    expand = tuple(name for name, c in linears.items() if name not in (exit_, *entries, *contract)
+                   and c.out_features == k)
+    if not entries or not (conv or own) or expand and not contract:
         return None
-    exit_ = exit_[0]
-    contract = tuple(e for e in exits if e != exit_)
-    expand = tuple(name for name, c in linears.items() if name != entry and c.out_features == k)
-    if not contract:
-        return None
-    others = [name for name, c in children.items() if name not in (conv, entry, exit_, *contract, *expand)
+    others = [name for name, c in children.items() if name not in (conv, exit_, *entries, *contract, *expand)
               and any(True for _ in c.parameters())]
     where = f"{fqn!r} ({type(module).__name__})"
-    if others:
+    if others and conv:  # (a depthwise convolution between projections: worth a word)
         return f"{where} is no channel-parallel block: its child {others[0]!r} has parameters of its own"
-    own = tuple(name for name, _ in module.named_parameters(recurse=False))
-    odd = [name for name in own if module.get_parameter(name).shape[:1] != (k,)]
-    if odd:
-        return (f"{where} is no channel-parallel block: its parameter {odd[0]!r} "
-                f"{tuple(module.get_parameter(odd[0]).shape)} is not one row per channel ({k})")
+    if others or list(linears).index(exit_) < max(map(list(linears).index, entries)):
+        return None
     if k % n:
         return f"{where}: its {k} channels do not split evenly over {n} ranks"
     sizes = tuple(sorted(name for name, v in vars(module).items()
                          if type(v) is int and v == k and not name.startswith("_")))
-    biases = tuple(c for c in (conv, *contract, *expand) if getattr(children[c], "bias", None) is not None)
-    return Block(fqn, k, entry, linears[entry].out_features // k, exit_, conv, contract, expand, own, sizes,
-                 biases)
+    biases = tuple(c for c in (conv, *contract, *expand) if c and getattr(children[c], "bias", None) is not None)
+    parts = tuple(linears[e].out_features // k for e in entries)
+    per_channel = tuple(name for name in own if module.get_parameter(name).shape[:1] == (k,))
+    whole = tuple(name for name in own if name not in per_channel)
+    return Block(fqn, k, entries, parts, exit_, conv, contract, expand, per_channel, whole, sizes, biases)
 
 
 def blocks(model: nn.Module, n: int) -> list:
