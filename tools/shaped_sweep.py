@@ -9,7 +9,8 @@ header, which is what ``tpfn.explain`` counts).
 
 The models: ``tests/shaped.py``'s (spelled as timm, torchvision, nanoGPT, Mamba and torch's
 ``nn.Transformer`` write them) and transformers' vision and audio models (ViT, Swin,
-ConvNeXt, ResNet, CLIP with images, Whisper) and state-space models (Mamba, FalconMamba), tiny.
+ConvNeXt, ResNet, CLIP with images, Whisper), state-space and recurrent models (Mamba,
+FalconMamba, RWKV), tiny.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def _hf(name: str):
              "decoder_input_ids": torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))}),
         "hf_mamba": lambda: (hf.MambaForCausalLM(hf.MambaConfig(**mamba)), ids),
         "hf_falcon_mamba": lambda: (hf.FalconMambaForCausalLM(hf.FalconMambaConfig(**mamba)), ids),
+        "hf_rwkv": lambda: (hf.RwkvForCausalLM(hf.RwkvConfig(
+            hidden_size=32, num_hidden_layers=2, vocab_size=64, attention_hidden_size=32, intermediate_size=64,
+            context_length=16, use_cache=False)), ids),
     }
     torch.manual_seed(0)
     model, inputs = builds[name]()
@@ -70,7 +74,7 @@ def names() -> list:
     from tests import shaped
 
     return [*shaped.MODELS, "hf_vit", "hf_swin", "hf_convnext", "hf_resnet", "hf_clip", "hf_whisper", "hf_mamba",
-            "hf_falcon_mamba"]
+            "hf_falcon_mamba", "hf_rwkv"]
 
 
 def build(name: str):
