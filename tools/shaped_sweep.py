@@ -9,7 +9,8 @@ header, which is what ``tpfn.explain`` counts).
 
 The models: ``tests/shaped.py``'s (spelled as timm, torchvision, nanoGPT, Mamba and torch's
 ``nn.Transformer`` write them) and transformers' vision and audio models (ViT, Swin,
-ConvNeXt, ResNet, CLIP with images, Whisper), tiny.
+ConvNeXt, ResNet, CLIP with images, Whisper), state-space and recurrent models (Mamba,
+FalconMamba, RWKV), tiny.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ DOC = os.path.join(ROOT, "docs", "suggest.md")
 
 
 def _hf(name: str):
-    """``(model, inputs)`` of a transformers vision or audio model, tiny."""
+    """``(model, inputs)`` of a transformers vision, audio or state-space model, tiny."""
     import torch
     import transformers as hf
 
     image = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))}
     vit = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
                patch_size=8)
+    mamba = dict(hidden_size=32, state_size=4, num_hidden_layers=2, vocab_size=64, intermediate_size=64,
+                 time_step_rank=4, conv_kernel=4)
+    ids = {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))}
     builds = {
         "hf_vit": lambda: (hf.ViTForImageClassification(hf.ViTConfig(**vit, num_labels=10)), image),
         "hf_swin": lambda: (hf.SwinForImageClassification(hf.SwinConfig(
@@ -55,6 +59,11 @@ def _hf(name: str):
             max_target_positions=32, vocab_size=64, pad_token_id=0, decoder_start_token_id=0)),
             {"input_features": torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)),
              "decoder_input_ids": torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))}),
+        "hf_mamba": lambda: (hf.MambaForCausalLM(hf.MambaConfig(**mamba)), ids),
+        "hf_falcon_mamba": lambda: (hf.FalconMambaForCausalLM(hf.FalconMambaConfig(**mamba)), ids),
+        "hf_rwkv": lambda: (hf.RwkvForCausalLM(hf.RwkvConfig(
+            hidden_size=32, num_hidden_layers=2, vocab_size=64, attention_hidden_size=32, intermediate_size=64,
+            context_length=16, use_cache=False)), ids),
     }
     torch.manual_seed(0)
     model, inputs = builds[name]()
@@ -64,7 +73,8 @@ def _hf(name: str):
 def names() -> list:
     from tests import shaped
 
-    return [*shaped.MODELS, "hf_vit", "hf_swin", "hf_convnext", "hf_resnet", "hf_clip", "hf_whisper"]
+    return [*shaped.MODELS, "hf_vit", "hf_swin", "hf_convnext", "hf_resnet", "hf_clip", "hf_whisper", "hf_mamba",
+            "hf_falcon_mamba", "hf_rwkv"]
 
 
 def build(name: str):

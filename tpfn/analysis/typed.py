@@ -586,6 +586,8 @@ class _Typing(TorchDispatchMode):
             dtensor = not mount.outputs.local
             whole = x.requires_grad and isinstance(layout, Replicate)
             grads = {f"the output of {fqn or '<root>'!r}"} if whole else ()
+            if whole and white and sums_its_gradients(mount, module, args, kwargs):
+                self.declared.update(grads)
             self.set(x, value_of(layout, tuple(x.shape), self.spaces, f"output {i} of {fqn!r}", dtensor=dtensor,
                                  grads=grads))
         self._note(fqn, out)
@@ -658,6 +660,43 @@ def expected(value: Value, shape: tuple, spaces: Spaces, n: int) -> tuple | None
         return found
     return tuple(None if dim and all(t == REPEAT for _, t in dim) else size
                  for size, dim in zip(found, value.dims))
+
+
+def sums_its_gradients(mount, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the module ``mount`` binds hands back every gradient it computes as a partial sum
+    the plan sums: each input that needs one (``on_shards(..., grads=Partial())``) and each
+    parameter (replicated, ``param_grads={name: Partial()}``). Its backward is linear in its
+    output's gradient, so that gradient may be a partial sum too (a replicated output the ranks'
+    shards each read a part of): the sums the plan makes of what it hands back are then right.
+
+    >>> from tpfn import Partial, Replicate, Shard, on_shards, params, prepare_in
+    >>> from tpfn.plans.plan import resolve
+    >>> style = (prepare_in(Shard(-1), desired=Replicate(), local=True) >> params(weight=Replicate())
+    ...          >> on_shards(Replicate(), grads=Partial(), output=Replicate(), param_grads={"weight": Partial()}))
+    >>> linear = nn.Linear(8, 4, bias=False)
+    >>> [mount] = resolve(style, linear)
+    >>> sums_its_gradients(mount, linear, (torch.ones(2, 8, requires_grad=True),), {})
+    True
+    >>> [mount] = resolve(params(weight=Replicate()) >> on_shards(Replicate(), output=Replicate()), linear)
+    >>> sums_its_gradients(mount, linear, (torch.ones(2, 8, requires_grad=True),), {})
+    False
+    """
+    shards = mount.shards
+    if shards is None:
+        return False
+    names = mount.names or ()
+    for i, x in enumerate(args):
+        if isinstance(x, torch.Tensor) and x.requires_grad and not (
+                i < len(shards.grads) and isinstance(shards.grads[i], Partial)):
+            return False
+    for name, x in kwargs.items():
+        i = names.index(name) if name in names else None
+        if isinstance(x, torch.Tensor) and x.requires_grad and not (
+                i is not None and i < len(shards.grads) and isinstance(shards.grads[i], Partial)):
+            return False
+    placed, partial = dict(mount.params), dict(shards.param_grads)
+    return all(isinstance(placed.get(name), Replicate) and isinstance(partial.get(name), Partial)
+               for name, p in module.named_parameters() if p.requires_grad)
 
 
 def _draws(mount, module) -> bool:

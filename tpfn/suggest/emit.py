@@ -125,7 +125,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, ex
     for choice in choices:
         if choice.style is not None:
             styles[choice.fqn] = choice.style
-        notes[choice.fqn] = choice.note
+        if choice.note is not None:  # (None: a module its block's note speaks for)
+            notes[choice.fqn] = choice.note
     for pair in refused:
         members = (*pair.makers, *pair.exits)
         if len(members) == 1:  # (a module chosen alone keeps its choice's note)
@@ -135,7 +136,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, ex
         parent = _common(members)
         names = ", ".join(_short(f, parent) for f in members)
         alone = any(f in styles for f in members)  # (sharded alone, by their own notes)
-        notes[parent] = f"{'no pair' if alone else 'left whole'}, {names}: {brief(pair.why)}"
+        text = f"{'no pair' if alone else 'left whole'}, {names}: {brief(pair.why)}"
+        notes[parent] = f"{notes[parent]}; {text}" if parent in notes else text  # (a block's: why not one)
         for f in members:
             if notes.get(f, "").startswith("left whole"):
                 del notes[f]

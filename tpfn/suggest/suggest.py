@@ -47,8 +47,9 @@ from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
 from tpfn.style.constructors import rowwise
-from tpfn.suggest.choose import sequence_parallel, standalone
-from tpfn.suggest.emit import assemble, general, maker
+from tpfn.suggest.channels import Block, blocks as channel_blocks
+from tpfn.suggest.choose import Choice, sequence_parallel, standalone
+from tpfn.suggest.emit import assemble, brief, general, maker
 from tpfn.suggest.experts import experts
 from tpfn.suggest.groups import Refused, decide
 from tpfn.suggest.sizes import candidates, sizes, style
@@ -137,14 +138,18 @@ def suggest(model: nn.Module, world_size: int | None = None, example_inputs: obj
     if small is not meta and (found is None or _spans(found.groups, repeats)):
         small, repeats = meta, Repeats(repeats.fqns)  # blocks that do not stand alone: every one
         found = _derive(meta, n, args, kwargs, loss_parallel, machine, type(model).__name__)
-    bound = {m.fqn for m in resolve(found.plan, small)}
+    mounts = resolve(found.plan, small)
+    placed = {join(m.fqn, name) for m in mounts for name, _ in m.params}  # (a block places its children's)
+    bound = {m.fqn for m in mounts} | {fqn for fqn, module in small.named_modules() if all(
+        join(fqn, name) in placed for name, _ in module.named_parameters(recurse=False))}
     quiet = unseen(small, bound, {*dict(found.plan.notes), *(f for p in found.pairs for f in (*p.makers, *p.exits))})
     plan = assemble(small, found.flow, found.groups, found.choices + quiet, found.pairs, n, found.extra, repeats)
     sharded, total = sharded_share(meta, plan)
     counts, moved = step_counts(small, found.comms, found.partial, repeats)
     groups = sum(repeats.weight(min(g.entries)) for g in found.groups) + sum(  # and each attention sharded whole
         repeats.weight(c.fqn) for c in found.choices
-        if c.style is not None and isinstance(small.get_submodule(c.fqn), nn.MultiheadAttention))
+        if c.style is not None and isinstance(small.get_submodule(c.fqn), nn.MultiheadAttention)) + sum(
+        repeats.weight(b.fqn) for b in found.blocks)  # and each channel-parallel block
     header = (f"tpfn.suggest over {n} ranks: {groups} group{'s' * (groups != 1)} sharded, "
               f"{round(100 * sharded / total) if total else 0}% of the parameter bytes; per step "
               f"{_counts(counts)}, {fmt_bytes(moved)} per rank")
@@ -172,6 +177,7 @@ class _Found:
     comms: list
     partial: tuple
     skipped: str | None
+    blocks: list = ()
 
 
 def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: bool, machine, name: str) -> _Found:
@@ -183,8 +189,13 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
     held: dict = {}       # module -> {(attribute, how)}: sizes it holds per rank (per_rank)
     tried: dict = {}      # modules (by pattern) whose sizes were looked for -> why they failed
     minimized = False
+    found = channel_blocks(meta, n)
+    live = {b.fqn: b for b in found if isinstance(b, Block)}  # channel-parallel blocks not (yet) failed
+    said = {fqn: why for fqn, why in (b for b in found if not isinstance(b, Block))}  # block -> why whole
+    sizes = dict.fromkeys(live, ())  # block -> attributes held per rank
+    trimmed = False
     while True:
-        flow = follow(meta, args, kwargs, excluded)
+        flow = follow(meta, args, kwargs, {**excluded, **{f: "" for b in live.values() for f in b.linears}})
         groups, refused = decide(flow, n)
         refused = refused or _unmountable(meta, groups, n)
         if refused:
@@ -195,11 +206,20 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
                 if r.exits or r.why != _REACHES_OUTPUT and any(k == "linear" for k in r.kinds):
                     pairs.setdefault(r.makers, r)
             continue
-        used = {f for g in groups for f in (*g.entries, *g.exits)}
-        choices = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine) + experts(meta, n, whole)
+        used = {f for g in groups for f in (*g.entries, *g.exits)} | {f for b in live.values() for f in b.members}
+        base = standalone(meta, flow, used, n, loss_parallel, outputs, whole, machine) + experts(meta, n, whole)
+        choices = base + _blocks(live, sizes, said, flow, n)
         extra = _extra(held, groups)
         plan = assemble(meta, flow, groups, choices, list(pairs.values()), n, extra)
         failed, comms, skipped = replay(meta, plan, n, args, kwargs, flow, observe=record)
+        if failed and _block_failed(failed, live, sizes, said):
+            continue
+        if not failed and any(sizes.values()) and not trimmed:
+            _fewest_sizes(sizes, lambda trial: not replay(meta, assemble(
+                meta, flow, groups, base + _blocks(live, trial, said, flow, n), list(pairs.values()), n, extra),
+                n, args, kwargs, flow, backward=False)[0])
+            trimmed = True
+            continue
         if failed and _look_for_sizes(failed, groups, meta, held, tried):
             continue
         if not failed and held and not minimized:
@@ -217,8 +237,11 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
                 comms, partial = report.comms, report.partial_grads
             except PlanError as e:  # the modules it names compute whole (else the ranks' check's counts)
                 failed = named_in(e.problems, [m.fqn for m in resolve(plan, meta)])
+        if failed and _block_failed(failed, live, sizes, said, sized=False):
+            continue
         if not failed:
-            return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, partial, skipped)
+            return _Found(plan, flow, groups, choices, list(pairs.values()), extra, comms, partial, skipped,
+                          list(live.values()))
         before = (len(excluded), len(whole))
         failed = {f: x if x.line else attrs.evolve(x, why=tried.get(generalize(x.where), x.why))
                   for f, x in failed.items()}  # (a line that fails says more than the first reason)
@@ -226,6 +249,44 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
         if (len(excluded), len(whole)) == before:
             raise RuntimeError(f"suggest's dry run of {name} on {n} fake ranks fails where "
                                f"nothing is sharded: {next(iter(failed.values())).why}")
+
+
+def _blocks(live: dict, sizes: dict, said: dict, flow, n: int) -> list:
+    """The ``Choice`` of each channel-parallel block (``tpfn.suggest.channels``) and its children,
+    with ``sizes``' attributes held per rank; a note on each block left whole."""
+    called = set(flow.firsts)
+    out = []
+    for fqn, block in live.items():
+        styles = block.styles(called, sizes[fqn])
+        out += [Choice(f, style, block.describe(n) if f == fqn else None) for f, style in styles.items()]
+    return out + [Choice(fqn, None, f"left whole: {brief(why)}") for fqn, why in said.items()]
+
+
+def _block_failed(failed: dict, live: dict, sizes: dict, said: dict, sized: bool = True) -> bool:
+    """Where a module of a channel-parallel block fails: first hold the block's sizes per rank
+    (``sized``: where not held yet), else leave the block whole with the reason (its modules then
+    planned as any others); whether any block changed."""
+    changed = False
+    for fqn, block in list(live.items()):
+        mine = [x for f, x in failed.items() if f == fqn or within(f, fqn)]
+        if not mine:
+            continue
+        if sized and not sizes[fqn] and block.sizes:
+            sizes[fqn] = block.sizes
+        else:
+            said[fqn] = f"a channel-parallel block, but {mine[0].why}"
+            del live[fqn]
+        changed = True
+    return changed
+
+
+def _fewest_sizes(sizes: dict, passes) -> None:
+    """Leave out of each block's ``sizes`` each attribute without which the check still ``passes``."""
+    for fqn in sorted(sizes):
+        for name in sizes[fqn]:
+            trial = {**sizes, fqn: tuple(x for x in sizes[fqn] if x != name)}
+            if passes(trial):
+                sizes.update(trial)
 
 
 def _spans(groups: list, repeats: Repeats) -> bool:

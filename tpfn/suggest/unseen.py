@@ -5,7 +5,7 @@ Suggest shards linears, embeddings, ``nn.MultiheadAttention`` and transformers' 
 Any other module whose own parameters hold at least ``SHARE`` of the model's parameter bytes,
 and that no rule binds, gets a note that says why it is whole: a recurrent layer needs the
 whole hidden state of the step before at every step; a convolution's channels are not sharded
-by suggest; other parameters are read by ops directly (a state-space model's ``A_log``, a
+by suggest; other parameters are read by ops directly (a
 position table added to the input), which no rule shards. Norms (a few bytes each) go unnamed.
 
 >>> import torch.nn as nn
