@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode
-from tpfn.plans.kinds import TABLE
+from tpfn.plans.kinds import TABLE, colwise_conv1d, colwise_linear
 from tpfn.analysis.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.analysis.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
 from tpfn.analysis.rules import Input, carry, filled, step, tensors
@@ -32,6 +32,8 @@ from tpfn.analysis.spaces import Spaces
 from tpfn.analysis.where import failing_module
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
+
+_LINEAR_ROWS = (colwise_linear, colwise_conv1d)  # the rows whose colwise() shards a linear's output features
 
 
 def kind_of(module: nn.Module) -> str | None:
@@ -43,8 +45,8 @@ def kind_of(module: nn.Module) -> str | None:
         return "embedding"
     if isinstance(module, nn.MultiheadAttention):
         return "attention"
-    for kind, _ in TABLE["colwise"]:
-        if kind not in (nn.Embedding, nn.MultiheadAttention) and isinstance(module, kind):
+    for kind, row in TABLE["colwise"]:
+        if row in _LINEAR_ROWS and isinstance(module, kind):
             return "linear"
     return None
 
