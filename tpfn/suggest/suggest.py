@@ -192,7 +192,7 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
                 if r.why == _REACHES_OUTPUT:
                     outputs.update(r.makers)
                 excluded.update({f: r.why for f in r.makers if f not in excluded})
-                if r.exits or r.why != _REACHES_OUTPUT and any(k == "linear" for k in r.kinds):
+                if r.exits or r.why != _REACHES_OUTPUT and any(k in ("linear", "conv") for k in r.kinds):
                     pairs.setdefault(r.makers, r)
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)}
