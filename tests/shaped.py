@@ -1,5 +1,5 @@
 """Small models written as the libraries users bring to suggest write them (timm, torchvision's
-ResNet and ConvNeXt, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
+ResNet and ConvNeXt, a diffusers-shaped UNet, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
 mixture of experts), nothing downloaded: each class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
 runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
@@ -228,6 +228,44 @@ class ConvNeXt(nn.Module):
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
 
 
+class ResnetBlock2D(nn.Module):
+    """diffusers' ``ResnetBlock2D``: GroupNorm, SiLU and a 3x3 convolution twice, a 1x1 shortcut
+    where the channels change."""
+
+    def __init__(self, cin: int, cout: int, groups: int = 4):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+
+
+class UNet(nn.Module):
+    """A UNet as diffusers' ``UNet2DModel`` shapes one: a down block, a strided downsampling
+    convolution, a middle block, a transposed-convolution upsampler, the skip concatenated on
+    the channels, an up block."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, c, 3, padding=1)
+        self.down = ResnetBlock2D(c, c)
+        self.downsample = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.mid = ResnetBlock2D(2 * c, 2 * c)
+        self.upsample = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.up = ResnetBlock2D(2 * c, c)
+        self.norm_out, self.conv_out = nn.GroupNorm(4, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x):
+        skip = self.down(self.conv_in(x))
+        h = self.upsample(self.mid(self.downsample(skip)))
+        h = self.up(torch.cat([h, skip], dim=1))
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
 class SwinAttention(nn.Module):
     """Swin's window attention as some ports write it: its parent reads ``qkv``'s weight
     through ``F.linear``."""
@@ -327,6 +365,7 @@ MODELS = {
     "nanogpt": (_seeded(NanoGPT), (2, 8)),
     "resnet": (_seeded(ResNet), (2, 3, 32, 32)),
     "convnext": (_seeded(ConvNeXt), (2, 3, 32, 32)),
+    "unet": (_seeded(UNet), (2, 3, 8, 8)),
     "swin": (_seeded(Swin), (2, 16, 32)),
     "mamba": (_seeded(Mamba), (2, 6, 32)),
     "lstm": (_seeded(LSTMTagger), (2, 6, 32)),
