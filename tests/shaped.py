@@ -1,5 +1,5 @@
 """Small models written as the libraries users bring to suggest write them (timm, torchvision's
-ResNet and ConvNeXt, a diffusers-shaped UNet, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
+ResNet, ConvNeXt, MobileNetV2 and VGG, a diffusers-shaped UNet, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
 mixture of experts), nothing downloaded: each class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
 runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
@@ -228,6 +228,50 @@ class ConvNeXt(nn.Module):
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
 
 
+class InvertedResidual(nn.Module):
+    """torchvision's MobileNetV2 block: a 1x1 expansion, a depthwise 3x3 convolution, a 1x1
+    projection, each convolution followed by a BatchNorm, the input added back."""
+
+    def __init__(self, c: int, expand: int = 4):
+        super().__init__()
+        hidden = c * expand
+        self.conv = nn.Sequential(
+            nn.Conv2d(c, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True), nn.Conv2d(hidden, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    def __init__(self, c: int = 16, blocks: int = 2, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU6(inplace=True),
+                                      *[InvertedResidual(c) for _ in range(blocks)])
+        self.classifier = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.classifier(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+
+class VGG(nn.Module):
+    """torchvision's VGG, small: convolutions and ReLUs between max pools, then a classifier on
+    the flattened features."""
+
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(inplace=True))
+        self.avgpool = nn.AdaptiveAvgPool2d(2)
+        self.classifier = nn.Sequential(nn.Linear(8 * c, 4 * c), nn.ReLU(True), nn.Linear(4 * c, classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
 class ResnetBlock2D(nn.Module):
     """diffusers' ``ResnetBlock2D``: GroupNorm, SiLU and a 3x3 convolution twice, a 1x1 shortcut
     where the channels change."""
@@ -366,6 +410,8 @@ MODELS = {
     "resnet": (_seeded(ResNet), (2, 3, 32, 32)),
     "convnext": (_seeded(ConvNeXt), (2, 3, 32, 32)),
     "unet": (_seeded(UNet), (2, 3, 8, 8)),
+    "mobilenet_v2": (_seeded(MobileNetV2), (2, 3, 16, 16)),
+    "vgg": (_seeded(VGG), (2, 3, 16, 16)),
     "swin": (_seeded(Swin), (2, 16, 32)),
     "mamba": (_seeded(Mamba), (2, 6, 32)),
     "lstm": (_seeded(LSTMTagger), (2, 6, 32)),
