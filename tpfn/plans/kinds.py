@@ -13,6 +13,8 @@ Built-ins and ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 >>> from tpfn.style.constructors import colwise
 >>> meaning(colwise().core, nn.Linear(4, 8), "'w1' (Linear)", ("weight", "bias")).style
 replicate() >> params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Replicate(), grads=Partial(), output=Shard(dim=-1))
+>>> meaning(colwise().core, nn.Conv2d(8, 8, 3, groups=8), "'dw' (Conv2d)", ("weight", "bias")).style
+params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Shard(dim=1), output=Shard(dim=1)) >> per_rank('groups')
 """
 
 from __future__ import annotations
