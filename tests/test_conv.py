@@ -75,8 +75,8 @@ def _pairs(n: int):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_convolution_pairs_and_the_norms_between_them_equal_one_device(n, ranks2, ranks4):
-    ranks = ranks2 if n == 2 else ranks4
+def test_convolution_pairs_and_the_norms_between_them_equal_one_device(n, request):
+    ranks = request.getfixturevalue(f"ranks{n}")
     for errors, forward, backward, local in ranks.run(_pairs, n):
         assert max(errors.values()) <= TOL, {k: e for k, e in errors.items() if e > TOL}
         assert forward == {"all_reduce": 2}   # the partial sums of down and narrow
