@@ -117,11 +117,21 @@ def test_the_rows_of_convolutions_and_norms_are_compositions_of_primitives():
     (nn.Conv2d(3, 5, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (2, 3, 9, 8)),
     (nn.Conv1d(3, 5, 3, padding="same", dilation=2), (3, 10)),
     (nn.Conv3d(3, 5, 2, padding="valid"), (1, 3, 4, 5, 6)),
-    (nn.ConvTranspose2d(3, 5, 3, stride=2, padding=1, output_padding=1, dilation=2), (2, 3, 5, 4)),
 ])
 def test_a_convolution_s_row_knows_its_output_shape(module, shape):
     row = tpfn.resolve(colwise(), module)[0].row
     assert row.shape(module, shape) == tuple(module(torch.randn(shape)).shape)
+    # a transposed convolution's forward may be given its output_size: recalled from the ranks' shards
+    transposed = nn.ConvTranspose2d(3, 5, 3, stride=2)
+    assert tpfn.resolve(colwise(), transposed)[0].row.shape(transposed, (2, 3, 5, 4)) is None
+
+
+def test_an_unbatched_input_to_a_convolution_on_channels_is_refused_by_name():
+    model = tpfn.parallelize(nn.Conv1d(4, 8, 3), fake_mesh(2), colwise(), src_rank=None)
+    with pytest.raises(ValueError, match=r"'<root>' \(Conv1d\) got an unbatched input of shape \(4, 6\), its "
+                                         r"channels in dim 0, but colwise\(\) lays out channels in dim 1; give "
+                                         r"it a batch of one \(x.unsqueeze\(0\)\)"):
+        model(torch.randn(4, 6))
 
 
 def test_what_channels_cannot_split_is_refused_by_name():

@@ -36,7 +36,7 @@ from tpfn.style.constructors import on_shards, params, per_rank, prepare_out, re
 from tpfn.style.style import Style
 
 __all__ = ["Meaning", "TABLE", "meaning", "Conv1D", "own_stream", "vocab_parallel", "dropout_slice",
-           "attention_on_heads"]
+           "attention_on_heads", "batched"]
 
 
 @attrs.frozen
@@ -380,21 +380,19 @@ def _conv_kind(module) -> type:
 
 
 def _conv_shape(module, in_shape):
-    """A convolution's output shape from its input's (batched or not): the output channels
-    and each spatial size, as ``torch.nn.functional.conv*d`` and ``conv_transpose*d`` (without
-    ``output_size``) compute them."""
+    """A convolution's output shape from its input's: the output channels and each spatial size,
+    as ``torch.nn.functional.conv*d`` computes them (None for a transposed one, whose forward may
+    be given its ``output_size``: recalled from the ranks' shards)."""
+    if module.transposed:
+        return None
     k = len(module.kernel_size)
     lead, spatial = tuple(in_shape[:-k - 1]), tuple(in_shape[-k:])
     pad = module.padding
     if isinstance(pad, str):  # 'valid', or 'same': the input's size (stride 1)
         return (*lead, module.out_channels, *(spatial if pad == "same" else (
             s - d * (w - 1) for s, d, w in zip(spatial, module.dilation, module.kernel_size))))
-    if module.transposed:
-        sizes = ((s - 1) * st - 2 * p + d * (w - 1) + o + 1 for s, st, p, d, w, o in zip(
-            spatial, module.stride, pad, module.dilation, module.kernel_size, module.output_padding))
-    else:
-        sizes = ((s + 2 * p - d * (w - 1) - 1) // st + 1 for s, st, p, d, w in zip(
-            spatial, module.stride, pad, module.dilation, module.kernel_size))
+    sizes = ((s + 2 * p - d * (w - 1) - 1) // st + 1 for s, st, p, d, w in zip(
+        spatial, module.stride, pad, module.dilation, module.kernel_size))
     return (*lead, module.out_channels, *sizes)
 
 
@@ -437,15 +435,29 @@ def _conv_refusal(core, module, where: str) -> str | None:
     return _no_parts(core, module, where)
 
 
+def batched(call, x, *inputs, **kwargs):
+    """A convolution's own forward on its channels, dim 1 of a batch: an unbatched input (its
+    channels in dim 0, which the plan's ``Shard(1)`` would take for a spatial dim) is refused by
+    name."""
+    module = call.rt.module
+    if isinstance(x, torch.Tensor) and x.dim() == len(module.kernel_size) + 1:
+        raise ValueError(f"{call.rt.mount.where} got an unbatched input of shape {tuple(x.shape)}, its channels "
+                         f"in dim 0, but {call.rt.mount.style!r} lays out channels in dim 1; give it a batch "
+                         "of one (x.unsqueeze(0)).")
+    return call.own(x, *inputs, **kwargs)
+
+
 def colwise_conv(core, module, where: str, owned: tuple):
     """A convolution column-wise: its output channels (``Shard(1)`` out) from a replicated input;
     a grouped or depthwise one (``groups > 1``) on its groups: channels sharded in and out, each
     rank its ``groups / n`` whole groups (``per_rank("groups")``)."""
     kind = _conv_kind(module)
     grouped = module.groups > 1
+    local = _own_forward(module, kind)
     return _conv_refusal(core, module, where) or Meaning(
         _conv_primitives("groups" if grouped else "colwise", module.transposed, module.bias is not None),
-        local=_own_forward(module, kind), shape=_conv_shape, fits=_groups_fit if grouped else None)
+        local=local, forward=batched if local else None, shape=_conv_shape,
+        fits=_groups_fit if grouped else None)
 
 
 def rowwise_conv(core, module, where: str, owned: tuple):
@@ -455,9 +467,10 @@ def rowwise_conv(core, module, where: str, owned: tuple):
     if module.groups > 1:
         return (f"{core!r} at {where}: {type(module).__name__}(groups={module.groups}) computes each group "
                 "from its own input channels, so it shards whole groups, channels in and out: use colwise().")
+    local = _own_forward(module, kind)
     return _conv_refusal(core, module, where) or Meaning(
-        _conv_primitives("rowwise", module.transposed, module.bias is not None), local=_own_forward(module, kind),
-        bias_once=module.bias is not None, shape=_conv_shape)
+        _conv_primitives("rowwise", module.transposed, module.bias is not None), local=local,
+        forward=batched if local else None, bias_once=module.bias is not None, shape=_conv_shape)
 
 
 def colwise_channels(core, module, where: str, owned: tuple):
