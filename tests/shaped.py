@@ -1,7 +1,9 @@
 """Small models written as the libraries users bring to suggest write them (timm, torchvision's
-ResNet, ConvNeXt, MobileNetV2 and VGG, a diffusers-shaped UNet, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
-mixture of experts), nothing downloaded: each class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
-runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
+ResNet, ConvNeXt, MobileNetV2 and VGG, a diffusers-shaped UNet, Swin, nanoGPT, torch's own
+``nn.Transformer``, Mamba, an LSTM, a sparse mixture of experts), nothing downloaded: each
+class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example
+input)``; ``tests/test_suggest.py`` runs them on fake and on gloo ranks,
+``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
 
 from __future__ import annotations

@@ -806,3 +806,7 @@ def test_pooling_resampling_and_padding_carry_the_channels():
 
     p = tpfn.suggest(Pools(), 2, example_inputs=torch.randn(2, 3, 8, 8))
     assert rules(p) == {"a": "colwise()", "b": "rowwise()", "c": "colwise()", "d": "rowwise()"}
+    # unbatched, a convolution's channels are dim 0, where a plan on channels refuses them: whole
+    convs = nn.Sequential(nn.Conv1d(4, 8, 3), nn.ReLU(), nn.Conv1d(8, 4, 3))
+    assert rules(tpfn.suggest(convs, 2, example_inputs=torch.randn(1, 4, 10))) == {"0": "colwise()", "2": "rowwise()"}
+    assert rules(tpfn.suggest(convs, 2, example_inputs=torch.randn(4, 10))) == {}

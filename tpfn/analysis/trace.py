@@ -282,18 +282,19 @@ class _Tracer(TorchDispatchMode):
         self.calls.append(Call(fqn, kind, role, space, id(x), tuple(x.shape), tuple(out.shape),
                                out.element_size(), out_dims))
 
-
     def _channels(self, fqn: str, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """A convolution or a module on channels: its channels are dim 1 (an unbatched input's
-        dim 0). A convolution from a replicated input makes a space of its output channels, and
-        contracts one that its input holds on its channels (an exit); a module on channels
-        (``"channels"``) carries them, each rank computing its whole groups."""
+        """A convolution or a module on channels: its channels are dim 1 of a batch. A convolution
+        from a replicated input makes a space of its output channels, and contracts one that its
+        input holds on its channels (an exit); a module on channels (``"channels"``) carries them,
+        each rank computing its whole groups. An unbatched convolution computes whole."""
         module, dims = self.module(fqn), self.dims(x)
         held = held_spaces(dims)
-        c = x.dim() - len(module.kernel_size) - 1 if isinstance(module, _CONVS) else 1  # (norms: batched)
-        role, space, out_dims = "whole", None, plain(out.shape)
-        if held:
-            whole = form(dims[c]) if c < len(dims) else None
+        unbatched = isinstance(module, _CONVS) and x.dim() == len(module.kernel_size) + 1
+        c, role, space, out_dims = 1, "whole", None, plain(out.shape)
+        if held and unbatched:
+            self.spaces.fail(held, f"{fqn!r} ({type(module).__name__}) takes an unbatched input, its channels in dim 0")
+        elif held:
+            whole = form(dims[c])
             rest = held_spaces(dims[:c] + dims[c + 1:])
             if whole is None or whole[0] != 1 or whole[3] != 1 or rest:
                 self.spaces.fail(held, f"{fqn!r} ({type(module).__name__}) takes sharded features in "
@@ -309,7 +310,7 @@ class _Tracer(TorchDispatchMode):
                 groups = module.groups if isinstance(module, _CONVS) else getattr(module, "num_groups", None)
                 self.spaces.channels.setdefault(self.spaces.find(space), set()).add((fqn, groups))
                 out_dims = tag(plain(out.shape), c, space)
-        elif kind == "conv" and fqn not in self.excluded:
+        elif kind == "conv" and fqn not in self.excluded and not unbatched:
             role, space = "entry", self.spaces.new(fqn, out.shape[c])
             out_dims = tag(plain(out.shape), c, space)
         self.set(out, out_dims)

@@ -210,8 +210,8 @@ def sequence_parallel(groups: list, flow, n: int, machine=None, weight=lambda fq
     says which costs less, with the figures. Suggest writes no sequence-parallel plan.
     ``weight``: how many modules of the whole model each of ``flow``'s stands for."""
     exits = {f for g in groups for f in g.exits}
-    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and c.kind == "linear" and len(c.out_shape) >= 3
-             for _ in range(weight(c.fqn))]
+    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and c.kind == "linear"
+             and len(c.out_shape) >= 3 for _ in range(weight(c.fqn))]
     if not calls:
         return None
     plain = [(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls]

@@ -81,7 +81,8 @@ def _describe(group, n: int) -> str:
         what = (f"{len(entry.parts)} parts of {entry.parts[0]}" if len(set(entry.parts)) == 1 else
                 f"parts of {', '.join(map(str, entry.parts))}" if entry.parts else
                 f"{heads[0]} heads held by groups of {n // heads[0]} ranks" if entry.heads else
-                f"{heads[0]} heads" if heads else f"{entry.width} {'channels' if entry.kind == 'conv' else 'features'}")
+                f"{heads[0]} heads" if heads else
+                f"{entry.width} {'channels' if entry.kind == 'conv' else 'features'}")
         makers.setdefault(f"{_layers(_short(fqn, parent))} ({what})", None)
     exits = ", ".join(dict.fromkeys(_layers(_short(f, parent)) for f in group.exits))
     makers = list(makers)

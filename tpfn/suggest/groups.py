@@ -49,7 +49,7 @@ class Group:
     parents: tuple = ()  # ((parent, the inputs several makers read), ...)
     inputs: tuple = ()   # ((module, input name, heads), ...): inputs laid out per head
     random: tuple = ()   # modules where random numbers (dropout) meet its features
-    channels: tuple = () # modules on its features' channels (norms, depthwise convolutions): colwise()
+    channels: tuple = ()  # modules on its features' channels (norms, depthwise convolutions): colwise()
 
     @property
     def modules(self) -> set:

@@ -46,7 +46,7 @@ from tpfn.plans.mount import try_mount
 from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
-from tpfn.style.constructors import rowwise
+from tpfn.style.constructors import colwise, rowwise
 from tpfn.suggest.choose import sequence_parallel, standalone
 from tpfn.suggest.emit import assemble, general, maker
 from tpfn.suggest.experts import experts
@@ -339,7 +339,8 @@ def _unmountable(model: nn.Module, groups: list, n: int) -> list:
     modules = dict(model.named_modules())
     found = []
     for group in groups:
-        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
+        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise()),
+                  **dict.fromkeys(group.channels, colwise())}
         mounts = {fqn: try_mount(style, modules[fqn], fqn, (), ()) for fqn, style in styles.items()}
         problems = [p for m in mounts.values() if isinstance(m, list) for p in m] or split_heads(
             modules, list(mounts.values()), n)
