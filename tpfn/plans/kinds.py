@@ -431,10 +431,6 @@ def _conv_primitives(row: str, transposed: bool, bias: bool) -> Style:
             >> on_shards(Shard(1), output=Shard(1)) >> per_rank("groups"))
 
 
-def _conv_refusal(core, module, where: str) -> str | None:
-    return _no_parts(core, module, where)
-
-
 def batched(call, x, *inputs, **kwargs):
     """A convolution's own forward on its channels, dim 1 of a batch: an unbatched input (its
     channels in dim 0, which the plan's ``Shard(1)`` would take for a spatial dim) is refused by
@@ -454,7 +450,7 @@ def colwise_conv(core, module, where: str, owned: tuple):
     kind = _conv_kind(module)
     grouped = module.groups > 1
     local = _own_forward(module, kind)
-    return _conv_refusal(core, module, where) or Meaning(
+    return _no_parts(core, module, where) or Meaning(
         _conv_primitives("groups" if grouped else "colwise", module.transposed, module.bias is not None),
         local=local, forward=batched if local else None, shape=_conv_shape,
         fits=_groups_fit if grouped else None)
@@ -468,7 +464,7 @@ def rowwise_conv(core, module, where: str, owned: tuple):
         return (f"{core!r} at {where}: {type(module).__name__}(groups={module.groups}) computes each group "
                 "from its own input channels, so it shards whole groups, channels in and out: use colwise().")
     local = _own_forward(module, kind)
-    return _conv_refusal(core, module, where) or Meaning(
+    return _no_parts(core, module, where) or Meaning(
         _conv_primitives("rowwise", module.transposed, module.bias is not None), local=local,
         forward=batched if local else None, bias_once=module.bias is not None, shape=_conv_shape)
 
