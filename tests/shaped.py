@@ -1,7 +1,9 @@
 """Small models written as the libraries users bring to suggest write them (timm, torchvision's
-ResNet and ConvNeXt, Swin, nanoGPT, torch's own ``nn.Transformer``, Mamba, an LSTM, a sparse
-mixture of experts), nothing downloaded: each class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example input)``; ``tests/test_suggest.py``
-runs them on fake and on gloo ranks, ``tools/shaped_sweep.py`` on 2 and 4 ranks.
+ResNet, ConvNeXt, MobileNetV2 and VGG, a diffusers-shaped UNet, Swin, nanoGPT, torch's own
+``nn.Transformer``, Mamba, an LSTM, a sparse mixture of experts), nothing downloaded: each
+class's forward is spelled as its library's is. ``MODELS`` maps a name to ``(build, example
+input)``; ``tests/test_suggest.py`` runs them on fake and on gloo ranks,
+``tools/shaped_sweep.py`` on 2 and 4 ranks.
 """
 
 from __future__ import annotations
@@ -228,6 +230,88 @@ class ConvNeXt(nn.Module):
         return self.head(self.stages(self.stem(x)).mean((2, 3)))
 
 
+class InvertedResidual(nn.Module):
+    """torchvision's MobileNetV2 block: a 1x1 expansion, a depthwise 3x3 convolution, a 1x1
+    projection, each convolution followed by a BatchNorm, the input added back."""
+
+    def __init__(self, c: int, expand: int = 4):
+        super().__init__()
+        hidden = c * expand
+        self.conv = nn.Sequential(
+            nn.Conv2d(c, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+            nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+            nn.ReLU6(inplace=True), nn.Conv2d(hidden, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+class MobileNetV2(nn.Module):
+    def __init__(self, c: int = 16, blocks: int = 2, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU6(inplace=True),
+                                      *[InvertedResidual(c) for _ in range(blocks)])
+        self.classifier = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.classifier(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+
+class VGG(nn.Module):
+    """torchvision's VGG, small: convolutions and ReLUs between max pools, then a classifier on
+    the flattened features."""
+
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(2 * c, 2 * c, 3, padding=1), nn.ReLU(inplace=True))
+        self.avgpool = nn.AdaptiveAvgPool2d(2)
+        self.classifier = nn.Sequential(nn.Linear(8 * c, 4 * c), nn.ReLU(True), nn.Linear(4 * c, classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class ResnetBlock2D(nn.Module):
+    """diffusers' ``ResnetBlock2D``: GroupNorm, SiLU and a 3x3 convolution twice, a 1x1 shortcut
+    where the channels change."""
+
+    def __init__(self, cin: int, cout: int, groups: int = 4):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+
+
+class UNet(nn.Module):
+    """A UNet as diffusers' ``UNet2DModel`` shapes one: a down block, a strided downsampling
+    convolution, a middle block, a transposed-convolution upsampler, the skip concatenated on
+    the channels, an up block."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, c, 3, padding=1)
+        self.down = ResnetBlock2D(c, c)
+        self.downsample = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.mid = ResnetBlock2D(2 * c, 2 * c)
+        self.upsample = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.up = ResnetBlock2D(2 * c, c)
+        self.norm_out, self.conv_out = nn.GroupNorm(4, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x):
+        skip = self.down(self.conv_in(x))
+        h = self.upsample(self.mid(self.downsample(skip)))
+        h = self.up(torch.cat([h, skip], dim=1))
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
 class SwinAttention(nn.Module):
     """Swin's window attention as some ports write it: its parent reads ``qkv``'s weight
     through ``F.linear``."""
@@ -327,6 +411,9 @@ MODELS = {
     "nanogpt": (_seeded(NanoGPT), (2, 8)),
     "resnet": (_seeded(ResNet), (2, 3, 32, 32)),
     "convnext": (_seeded(ConvNeXt), (2, 3, 32, 32)),
+    "unet": (_seeded(UNet), (2, 3, 8, 8)),
+    "mobilenet_v2": (_seeded(MobileNetV2), (2, 3, 16, 16)),
+    "vgg": (_seeded(VGG), (2, 3, 16, 16)),
     "swin": (_seeded(Swin), (2, 16, 32)),
     "mamba": (_seeded(Mamba), (2, 6, 32)),
     "lstm": (_seeded(LSTMTagger), (2, 6, 32)),

@@ -142,7 +142,7 @@ PURE = [
      r"'a' \(Linear\) is bound to 2 styles \('\*' -> rowwise\(\); 'a' -> colwise\(\)\); bind it once"),
     ("colwise on a norm", lambda: resolve({"norm": colwise()}, transformer()), PlanError,
      r"colwise\(\) at 'norm' \(LayerNorm\): it shards nn\.Linear, nn\.Embedding, "
-     r"nn\.MultiheadAttention and transformers' Conv1D, not LayerNorm\."),
+     r"nn\.MultiheadAttention, transformers' Conv1D, nn\.Conv1d/2d/3d, nn\.ConvTranspose1d/2d/3d, nn\.BatchNorm1d/2d/3d and nn\.GroupNorm, not LayerNorm\."),
     ("embedding with max_norm", lambda: resolve(
         {"tok": rowwise()}, nn.ModuleDict({"tok": nn.Embedding(4, 2, max_norm=1.0)})),
      PlanError, re.escape("rowwise() at 'tok' (Embedding): nn.Embedding(max_norm=...) renormalizes "

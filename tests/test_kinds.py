@@ -127,8 +127,9 @@ def test_the_plan_s_rows_come_before_the_class_s_and_the_table_s():
         ("weight", Shard(0, parts=2)),)
     assert tpfn.resolve(colwise(), nn.Linear(4, 8, bias=False))[0].params == (("weight", Shard(0)),)
     with pytest.raises(PlanError, match=r"colwise\(\) at '<root>' \(ScaledLinear\): it shards "
-                                        r"nn.Linear, nn.Embedding, nn.MultiheadAttention and "
-                                        r"transformers' Conv1D, not ScaledLinear\."):
+                                        r"nn.Linear, nn.Embedding, nn.MultiheadAttention, "
+                                        r"transformers' Conv1D, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, "
+                                        r"nn.BatchNorm1d/2d/3d and nn.GroupNorm, not ScaledLinear\."):
         tpfn.resolve(colwise(), ScaledLinear(4, 8))
 
 

@@ -554,8 +554,8 @@ def test_bad_parallelize_calls_raise_before_changing_anything(ranks2):
                            "with dims ('tp', 'dp'); pass mesh['tp'].")
     assert found["plan"] == [
         "'3' -> rowwise() matches no module; modules here: 0, 1, 2",
-        "colwise() at '1' (ReLU): it shards nn.Linear, nn.Embedding, nn.MultiheadAttention and "
-        "transformers' Conv1D, not ReLU.",
+        "colwise() at '1' (ReLU): it shards nn.Linear, nn.Embedding, nn.MultiheadAttention, "
+        "transformers' Conv1D, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and nn.GroupNorm, not ReLU.",
     ]
     assert found["tied"] == [
         "parameter 'b.weight' is tied to 'a.weight': colwise() places it Shard(dim=0) and "

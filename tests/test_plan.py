@@ -98,12 +98,12 @@ def test_every_problem_is_reported_at_once_with_near_misses():
         "'layers.*.atention.wq' -> colwise() matches no module; did you mean "
         "'layers.*.attention.wq' or 'layers.*.attention.wv' or 'layers.*.attention.wo'?",
         "colwise() at 'layers.0.attention_norm' (LayerNorm): it shards nn.Linear, "
-        "nn.Embedding, nn.MultiheadAttention and transformers' Conv1D, not LayerNorm.",
+        "nn.Embedding, nn.MultiheadAttention, transformers' Conv1D, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and nn.GroupNorm, not LayerNorm.",
         "'layers.0.feed_forward.w1' (Linear) is bound to 2 styles ('layers.*.feed_forward.w1' -> "
         "rowwise(); 'layers.0.feed_forward.w1' -> colwise()); bind it once, e.g. by combining "
         "them with >> or narrowing a pattern.",
         "colwise() at 'layers.1.attention_norm' (LayerNorm): it shards nn.Linear, "
-        "nn.Embedding, nn.MultiheadAttention and transformers' Conv1D, not LayerNorm.",
+        "nn.Embedding, nn.MultiheadAttention, transformers' Conv1D, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and nn.GroupNorm, not LayerNorm.",
     ]
     assert str(info.value).startswith("the plan cannot be applied (4 problems):\n  - ")
 

@@ -309,7 +309,7 @@ def test_per_rank_held_two_ways_is_a_style_error():
 def test_a_style_on_a_module_kind_it_cannot_handle_lists_the_kinds():
     assert problems(colwise(), nn.LayerNorm(4), "layers.0.norm") == [
         "colwise() at 'layers.0.norm' (LayerNorm): it shards nn.Linear, nn.Embedding, "
-        "nn.MultiheadAttention and transformers' Conv1D, not LayerNorm."]
+        "nn.MultiheadAttention, transformers' Conv1D, nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and nn.GroupNorm, not LayerNorm."]
     assert problems(sequence_parallel(), nn.Linear(4, 4), "w1") == [
         "sequence_parallel() at 'w1' (Linear): sequence parallelism runs a module on each "
         "position alone, so its parameters must be 1-D (norms, dropout), but weight is not; "

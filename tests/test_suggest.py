@@ -714,8 +714,8 @@ def test_an_attention_reading_its_width_from_its_input_is_left_whole_naming_the_
 
 
 @pytest.mark.parametrize("name, fqn, why", [
-    ("resnet", "layer1.*.conv1", "left whole (19% of the parameter bytes): a convolution (Conv2d): suggest shards "
-                                 "no convolution's channels"),
+    ("convnext", "stages.*.dwconv", "left whole (7% of the parameter bytes): a grouped convolution (Conv2d, "
+                                    "groups=32) computes on its channels as they come"),
     ("lstm", "lstm", "left whole (94% of the parameter bytes): a recurrent layer (LSTM): each step needs the whole "
                      "hidden state of the step before"),
     ("swin", "layers.*.attn.qkv", "left whole (12% of the parameter bytes): its parameters (weight, bias) are read "
@@ -725,3 +725,88 @@ def test_a_module_suggest_does_not_shard_says_why(name, fqn, why):
     build, _ = shaped.MODELS[name]
     p = tpfn.suggest(build(), 2, example_inputs=shaped.example(name))
     assert notes(p)[fqn].startswith(why), notes(p)
+
+
+# Convolutions: a convolution from a replicated input makes its output channels a space, one handed
+# them contracts it; norms and depthwise convolutions between carry them.
+
+def _conv_blocks():
+    """Suggest's plans for a ResNet BasicBlock and a MobileNetV2 block in training (BatchNorms on
+    batch statistics, running statistics updated) against one device in float64."""
+    from tests.models import full, rel_err
+    from tests.ranks import mesh
+
+    found = {}
+    for name, build, shape in (("basic", lambda: shaped.BasicBlock(8), (2, 8, 6, 6)),
+                               ("inverted", lambda: shaped.InvertedResidual(4), (2, 4, 6, 6))):
+        torch.manual_seed(0)
+        ref = build().double().train()
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        p = tpfn.suggest(ref, 2, example_inputs=x)
+        tp, again = tpfn.parallelize(copy.deepcopy(ref), mesh(2), p), copy.deepcopy(ref)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        cot = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        expected, out = ref(x1), tp(x2)
+        (expected * cot).sum().backward()
+        (out * cot).sum().backward()
+        (again(x.flip(0)) * cot.flip(0)).sum().backward()  # one device again, its sums in another order
+        errors = {"output": rel_err(out, expected), "input.grad": rel_err(x2.grad, x1.grad)}
+        own = dict.fromkeys(errors, 0.0)
+        theirs, others = ({**dict(m.named_parameters()), **dict(m.named_buffers())} for m in (ref, again))
+        for k, t in tp.named_parameters():
+            errors[k + ".grad"] = rel_err(t.grad, theirs[k].grad)
+            own[k + ".grad"] = rel_err(others[k].grad, theirs[k].grad)
+        for k, t in tp.named_buffers():
+            errors[k] = rel_err(full(t).double(), theirs[k].double())
+        found[name] = (rules(p), errors, own)
+    return found
+
+
+def test_suggest_shards_convolutions_as_pairs_with_their_norms_between_at_one_devices_numbers(ranks2):
+    basic, inverted = ranks2.run(_conv_blocks)[0].values()
+    assert max(inverted[2].values()) > 1e-12  # (the deviation the bound below allows for is real)
+    # ResNet's BasicBlock: conv1 column-wise, bn1 on its channels, conv2 row-wise; bn2 runs whole
+    # after the all-reduce, before the residual sum
+    assert basic[0] == {"conv1": "colwise()", "bn1": "colwise()", "conv2": "rowwise()"}
+    # MobileNetV2's: the expansion column-wise, the depthwise convolution and the norms on each
+    # rank's channels, the projection row-wise
+    assert inverted[0] == {"conv.0": "colwise()", "conv.1": "colwise()", "conv.3": "colwise()",
+                           "conv.4": "colwise()", "conv.6": "rowwise()"}
+    # float64: rounding ~1e-16, sums in another order; a BatchNorm weight's gradient sums terms that
+    # cancel (its normalized input has mean 0), and one device's own gradient moves ~1e-11 when the
+    # batch comes in reverse order: each error within ten times that deviation
+    for _, errors, own in (basic, inverted):
+        bad = {k: (v, own.get(k)) for k, v in errors.items() if v > max(1e-12, 10 * own.get(k, 0.0))}
+        assert not bad, bad
+
+
+def test_a_convolution_pair_s_header_and_notes():
+    block, x = shaped.BasicBlock(16).eval(), torch.randn(2, 16, 8, 8)
+    p = tpfn.suggest(block, 2, example_inputs=x)
+    assert "over 2 ranks: conv1 (16 channels) column-wise; bn1 on each rank's channels; conv2 row-wise, " \
+           "one all-reduce" in comments(p)
+    assert header(p) == explained(block, p, x)
+    # a depthwise convolution whose groups the ranks do not split: the pair stays whole, and says why
+    odd = tpfn.suggest(shaped.InvertedResidual(3, expand=2).eval(), 4, example_inputs=torch.randn(2, 3, 6, 6))
+    assert "'conv': left whole, conv.0, conv.6: 4 ranks do not split 'conv.*''s 6 groups of channels into " \
+           "whole groups" in comments(odd), comments(odd)
+
+
+def test_pooling_resampling_and_padding_carry_the_channels():
+    class Pools(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+            self.c, self.d = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 3)
+
+        def forward(self, x):
+            h = self.b(F.max_pool2d(F.relu(self.a(x)), 2))
+            h = F.interpolate(h, scale_factor=2)
+            return self.d(F.avg_pool2d(F.pad(F.relu(self.c(h)), (1, 1, 1, 1), mode="reflect"), 2))
+
+    p = tpfn.suggest(Pools(), 2, example_inputs=torch.randn(2, 3, 8, 8))
+    assert rules(p) == {"a": "colwise()", "b": "rowwise()", "c": "colwise()", "d": "rowwise()"}
+    # unbatched, a convolution's channels are dim 0, where a plan on channels refuses them: whole
+    convs = nn.Sequential(nn.Conv1d(4, 8, 3), nn.ReLU(), nn.Conv1d(8, 4, 3))
+    assert rules(tpfn.suggest(convs, 2, example_inputs=torch.randn(1, 4, 10))) == {"0": "colwise()", "2": "rowwise()"}
+    assert rules(tpfn.suggest(convs, 2, example_inputs=torch.randn(4, 10))) == {}

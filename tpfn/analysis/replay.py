@@ -155,7 +155,7 @@ class _Replay(TorchDispatchMode):
         if call.role == "exit" and dims is not None and tuple(x.shape) != self.expected(dims):
             self.fail([dims], f"{generalize(fqn)!r} is handed {tuple(x.shape)} where its share "
                       f"of {call.in_shape} is {self.expected(dims)}", self.stack[-1] if self.stack else "")
-        if call.role == "entry":
+        if call.role in ("entry", "channels"):  # (a module on channels hands them on)
             want = self.expected(call.out_dims)
             if tuple(out.shape) != want:
                 self.fail([call.out_dims], f"{generalize(fqn)!r} makes {tuple(out.shape)} where its "

@@ -30,6 +30,8 @@ features: whether each rank makes it its share is what the ranks' check sees.
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import torch
 
@@ -72,6 +74,9 @@ _SOFTMAX = {"_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax
             "sort", "argsort", "topk", "cummax", "cummin"}
 _NORMS = {"native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"}
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+# Ops on the last k dims of each channel alone: pooling, resampling, padding (max_pool2d: k = 2).
+_SPATIAL = re.compile(r"^_?(max_pool|avg_pool|adaptive_avg_pool|adaptive_max_pool|fractional_max_pool|lp_pool|"
+                      r"upsample_\w+?|reflection_pad|replication_pad)(\d)d(_with_indices|_aa)?$")
 
 
 # Ops that only lay a tensor out anew (a reshape copies where a view cannot): the same step.
@@ -282,11 +287,27 @@ def carry(func, args: tuple, kwargs: dict, out, held, spaces) -> tuple:
     elif base == "index":
         found = [(outs[0], _advanced_index(args[1] if len(args) > 1 else kwargs["indices"], first,
                                            tuple(outs[0].shape)))]
+    elif _SPATIAL.match(name) or base == "constant_pad_nd":
+        found = _spatial(func, args, kwargs, x, first, outs, base)
     else:
         raise Broken(held_spaces(tuple(d for dims, _, _ in items for d in dims)),
                      f"{func} (an op no rule says how it treats sharded features)")
     _partial([held.deps(t) for t in ins if not held_spaces(held.dims(t))], found, spaces)
     return found, []
+
+
+def _spatial(func, args, kwargs, x, first, outs, base) -> list:
+    """Pooling, resampling and padding of the last ``k`` dims (``max_pool2d``: 2), each channel on
+    its own: those dims must be whole; the dims before them (batch, channels) carry."""
+    found = _SPATIAL.match(base)
+    k = int(found.group(2)) if found else len(arg(func, args, kwargs, "pad")) // 2
+    _reduced(first, list(range(x.dim() - k, x.dim())), False, f"{base} (over positions)")
+    out = []
+    for o in outs:
+        if o.dim() != x.dim() or tuple(o.shape[:-k]) != tuple(x.shape[:-k]):
+            raise Broken(held_spaces(first), f"{base}, whose output this rule cannot follow")
+        out.append((o, first[:-k] + plain(tuple(o.shape[-k:]))))
+    return out
 
 
 def _split(func, args, kwargs, x, first, outs, spaces) -> list:

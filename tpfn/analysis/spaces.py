@@ -47,6 +47,7 @@ class Spaces:
         self.partial: dict = {}   # root -> {(owner fqn, parameter name)} whose gradient is partial
         self.inputs: dict = {}    # root -> {(module fqn, input name, heads)} laid out per head
         self.random: dict = {}    # root -> {module fqn where random numbers meet the features}
+        self.channels: dict = {}  # root -> {(fqn, groups or None)}: modules on the features' channels
         self._made: dict = {}
 
     def _add(self, key, space: Space) -> int:
@@ -89,6 +90,7 @@ class Spaces:
         self.partial.setdefault(ra, set()).update(self.partial.pop(rb, set()))
         self.inputs.setdefault(ra, set()).update(self.inputs.pop(rb, set()))
         self.random.setdefault(ra, set()).update(self.random.pop(rb, set()))
+        self.channels.setdefault(ra, set()).update(self.channels.pop(rb, set()))
 
     def fail(self, spaces, why: str) -> None:
         """Break the groups of ``spaces`` (the first reason stays)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from tpfn._torch import TorchDispatchMode
-from tpfn.plans.kinds import TABLE
+from tpfn.plans.kinds import TABLE, colwise_conv1d, colwise_linear
 from tpfn.analysis.hybrid import Hybrid, hybrid_copy  # noqa: F401  (hybrid_copy: the doctest's)
 from tpfn.analysis.factors import REPEAT, Broken, form, plain, spaces as held_spaces, tag
 from tpfn.analysis.rules import Input, carry, filled, step, tensors
@@ -33,18 +33,29 @@ from tpfn.analysis.where import failing_module
 
 __all__ = ["follow", "Flow", "Call", "Logged", "kind_of"]
 
+_LINEAR_ROWS = (colwise_linear, colwise_conv1d)  # the rows whose colwise() shards a linear's output features
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CHANNELS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)
+
 
 def kind_of(module: nn.Module) -> str | None:
     """``"embedding"``, ``"linear"`` (a module whose ``colwise()`` row shards its output
     features, nn.Linear and kinds like it), ``"attention"`` (``nn.MultiheadAttention``, whose
     forward reads its weights directly: one step, replicated in and out, that ``colwise()``
-    shards on its heads whole), or None: a module the trace looks into."""
+    shards on its heads whole), ``"conv"`` (a convolution: its output channels, dim 1, as a
+    linear's output features), ``"channels"`` (a module that computes each channel, or group of
+    channels, on its own, whose ``colwise()`` row shards them: a BatchNorm, a GroupNorm, a
+    grouped or depthwise convolution), or None: a module the trace looks into."""
     if isinstance(module, nn.Embedding):
         return "embedding"
     if isinstance(module, nn.MultiheadAttention):
         return "attention"
-    for kind, _ in TABLE["colwise"]:
-        if kind not in (nn.Embedding, nn.MultiheadAttention) and isinstance(module, kind):
+    if isinstance(module, _CONVS):
+        return "conv" if module.groups == 1 else "channels"
+    if isinstance(module, _CHANNELS):
+        return "channels"
+    for kind, row in TABLE["colwise"]:
+        if row in _LINEAR_ROWS and isinstance(module, kind):
             return "linear"
     return None
 
@@ -243,6 +254,8 @@ class _Tracer(TorchDispatchMode):
         self._call(fqn, kind, x, out)
 
     def _call(self, fqn: str, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if kind in ("conv", "channels"):
+            return self._channels(fqn, kind, x, out)
         dims = self.dims(x)
         held = held_spaces(dims)
         role, space = "whole", None
@@ -265,6 +278,44 @@ class _Tracer(TorchDispatchMode):
         self.set(out, out_dims)
         if role == "whole":  # a replicated module: its output depends on its parameters
             owned = {f"{fqn}.{n}" for n, _ in self.module(fqn).named_parameters()}
+            self.depends[id(out)] = (out, self.deps(x) | owned)
+        self.calls.append(Call(fqn, kind, role, space, id(x), tuple(x.shape), tuple(out.shape),
+                               out.element_size(), out_dims))
+
+    def _channels(self, fqn: str, kind: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """A convolution or a module on channels: its channels are dim 1 of a batch. A convolution
+        from a replicated input makes a space of its output channels, and contracts one that its
+        input holds on its channels (an exit); a module on channels (``"channels"``) carries them,
+        each rank computing its whole groups. An unbatched convolution computes whole."""
+        module, dims = self.module(fqn), self.dims(x)
+        held = held_spaces(dims)
+        unbatched = isinstance(module, _CONVS) and x.dim() == len(module.kernel_size) + 1
+        c, role, space, out_dims = 1, "whole", None, plain(out.shape)
+        if held and unbatched:
+            self.spaces.fail(held, f"{fqn!r} ({type(module).__name__}) takes an unbatched input, its channels in dim 0")
+        elif held:
+            whole = form(dims[c])
+            rest = held_spaces(dims[:c] + dims[c + 1:])
+            if whole is None or whole[0] != 1 or whole[3] != 1 or rest:
+                self.spaces.fail(held, f"{fqn!r} ({type(module).__name__}) takes sharded features in "
+                                 "other dims than its channels")
+            elif kind == "conv":
+                role, space = "exit", whole[2]
+                self.spaces.exits.setdefault(space, set()).add(fqn)
+            elif out.shape[c] != x.shape[c]:
+                self.spaces.fail(held, f"{fqn!r} ({type(module).__name__}) makes {out.shape[c]} channels of "
+                                 f"{x.shape[c]}")
+            else:
+                role, space = "channels", whole[2]
+                groups = module.groups if isinstance(module, _CONVS) else getattr(module, "num_groups", None)
+                self.spaces.channels.setdefault(self.spaces.find(space), set()).add((fqn, groups))
+                out_dims = tag(plain(out.shape), c, space)
+        elif kind == "conv" and fqn not in self.excluded and not unbatched:
+            role, space = "entry", self.spaces.new(fqn, out.shape[c])
+            out_dims = tag(plain(out.shape), c, space)
+        self.set(out, out_dims)
+        if role == "whole":
+            owned = {f"{fqn}.{n}" for n, _ in module.named_parameters()}
             self.depends[id(out)] = (out, self.deps(x) | owned)
         self.calls.append(Call(fqn, kind, role, space, id(x), tuple(x.shape), tuple(out.shape),
                                out.element_size(), out_dims))

@@ -13,6 +13,8 @@ Built-ins and ``on_shards`` styles then take one path (``tpfn.plans.mount``).
 >>> from tpfn.style.constructors import colwise
 >>> meaning(colwise().core, nn.Linear(4, 8), "'w1' (Linear)", ("weight", "bias")).style
 replicate() >> params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Replicate(), grads=Partial(), output=Shard(dim=-1))
+>>> meaning(colwise().core, nn.Conv2d(8, 8, 3, groups=8), "'dw' (Conv2d)", ("weight", "bias")).style
+params(bias=Shard(dim=0), weight=Shard(dim=0)) >> on_shards(Shard(dim=1), output=Shard(dim=1)) >> per_rank('groups')
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tpfn.style.constructors import on_shards, params, per_rank, prepare_out, re
 from tpfn.style.style import Style
 
 __all__ = ["Meaning", "TABLE", "meaning", "Conv1D", "own_stream", "vocab_parallel", "dropout_slice",
-           "attention_on_heads"]
+           "attention_on_heads", "batched"]
 
 
 @attrs.frozen
@@ -368,13 +370,145 @@ def colwise_attention(core, module: nn.MultiheadAttention, where: str, owned: tu
                    bias_once="out_proj.bias" if bias else False, forward=attention_on_heads, fits=_attention_fits)
 
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def _conv_kind(module) -> type:
+    return next(k for k in (*_CONVS, *_TRANSPOSED) if isinstance(module, k))
+
+
+def _conv_shape(module, in_shape):
+    """A convolution's output shape from its input's: the output channels and each spatial size,
+    as ``torch.nn.functional.conv*d`` computes them (None for a transposed one, whose forward may
+    be given its ``output_size``: recalled from the ranks' shards)."""
+    if module.transposed:
+        return None
+    k = len(module.kernel_size)
+    lead, spatial = tuple(in_shape[:-k - 1]), tuple(in_shape[-k:])
+    pad = module.padding
+    if isinstance(pad, str):  # 'valid', or 'same': the input's size (stride 1)
+        return (*lead, module.out_channels, *(spatial if pad == "same" else (
+            s - d * (w - 1) for s, d, w in zip(spatial, module.dilation, module.kernel_size))))
+    sizes = ((s + 2 * p - d * (w - 1) - 1) // st + 1 for s, st, p, d, w in zip(
+        spatial, module.stride, pad, module.dilation, module.kernel_size))
+    return (*lead, module.out_channels, *sizes)
+
+
+def _groups_fit(module, n: int) -> str | None:
+    groups = module.groups if isinstance(module, (*_CONVS, *_TRANSPOSED)) else module.num_groups
+    if groups % n == 0:
+        return None
+    return (f"its {groups} groups do not split evenly over {n} ranks, and each rank computes whole "
+            f"groups of channels; choose a mesh size that divides {groups}, or leave it out of the "
+            "plan (replicated).")
+
+
+def _no_parts(core, module, where: str):
+    if core.parts == 1 and core.heads is None:
+        return None
+    option = f"parts={core.parts!r}" if core.parts != 1 else f"heads={core.heads!r}"
+    return (f"{core!r} at {where}: {option} packs parts or heads of a linear projection's output "
+            f"features; {type(module).__name__} shards its channels whole: use {core.kind}().")
+
+
+@functools.lru_cache(maxsize=None)
+def _conv_primitives(row: str, transposed: bool, bias: bool) -> Style:
+    """A convolution's channels as a composition of primitives: its weight is ``(out, in / groups,
+    *kernel)`` (transposed: ``(in, out / groups, *kernel)``) and its channels are dim 1 of its
+    input and output. ``colwise``: the output channels, from a replicated input; ``rowwise``: the
+    input channels, leaving partial sums; ``groups``: a grouped convolution's groups, whole on
+    each rank, channels in and out."""
+    out, into = (1, 0) if transposed else (0, 1)
+    if row == "colwise":
+        return replicate() >> params(weight=Shard(out), **({"bias": Shard(0)} if bias else {})) >> on_shards(
+            Replicate(), grads=Partial(), output=Shard(1))
+    if row == "rowwise":
+        return (replicate() >> params(weight=Shard(into), **({"bias": Replicate()} if bias else {}))
+                >> on_shards(Shard(1), output=Partial()) >> prepare_out(Replicate()))
+    return (params(weight=Shard(0), **({"bias": Shard(0)} if bias else {}))
+            >> on_shards(Shard(1), output=Shard(1)) >> per_rank("groups"))
+
+
+def batched(call, x, *inputs, **kwargs):
+    """A convolution's own forward on its channels, dim 1 of a batch: an unbatched input (its
+    channels in dim 0, which the plan's ``Shard(1)`` would take for a spatial dim) is refused by
+    name."""
+    module = call.rt.module
+    if isinstance(x, torch.Tensor) and x.dim() == len(module.kernel_size) + 1:
+        raise ValueError(f"{call.rt.mount.where} got an unbatched input of shape {tuple(x.shape)}, its channels "
+                         f"in dim 0, but {call.rt.mount.style!r} lays out channels in dim 1; give it a batch "
+                         "of one (x.unsqueeze(0)).")
+    return call.own(x, *inputs, **kwargs)
+
+
+def colwise_conv(core, module, where: str, owned: tuple):
+    """A convolution column-wise: its output channels (``Shard(1)`` out) from a replicated input;
+    a grouped or depthwise one (``groups > 1``) on its groups: channels sharded in and out, each
+    rank its ``groups / n`` whole groups (``per_rank("groups")``)."""
+    kind = _conv_kind(module)
+    grouped = module.groups > 1
+    local = _own_forward(module, kind)
+    return _no_parts(core, module, where) or Meaning(
+        _conv_primitives("groups" if grouped else "colwise", module.transposed, module.bias is not None),
+        local=local, forward=batched if local else None, shape=_conv_shape,
+        fits=_groups_fit if grouped else None)
+
+
+def rowwise_conv(core, module, where: str, owned: tuple):
+    """A convolution row-wise: its input channels (``Shard(1)`` in), its partial sums all-reduced,
+    the bias added once."""
+    kind = _conv_kind(module)
+    if module.groups > 1:
+        return (f"{core!r} at {where}: {type(module).__name__}(groups={module.groups}) computes each group "
+                "from its own input channels, so it shards whole groups, channels in and out: use colwise().")
+    local = _own_forward(module, kind)
+    return _no_parts(core, module, where) or Meaning(
+        _conv_primitives("rowwise", module.transposed, module.bias is not None), local=local,
+        forward=batched if local else None, bias_once=module.bias is not None, shape=_conv_shape)
+
+
+def colwise_channels(core, module, where: str, owned: tuple):
+    """A norm on channels (``nn.BatchNorm1d/2d/3d``, ``nn.GroupNorm``) on each rank's channels,
+    dim 1 sharded in and out: its weight, bias and running statistics sharded on dim 0; a
+    GroupNorm's groups whole on each rank (``per_rank("num_groups")``)."""
+    why = _no_parts(core, module, where)
+    if why:
+        return why
+    names = [n for n in ("weight", "bias", "running_mean", "running_var") if getattr(module, n, None) is not None]
+    group = isinstance(module, nn.GroupNorm)
+    style = params(**dict.fromkeys(names, Shard(0))) >> on_shards(Shard(1), output=Shard(1))
+    kind = nn.GroupNorm if group else next(k for k in _BATCH_NORMS if isinstance(module, k))
+    return Meaning(style >> per_rank("num_groups") if group else style, local=_own_forward(module, kind),
+                   fits=_groups_fit if group else None)
+
+
+def rowwise_channels(core, module, where: str, owned: tuple):
+    return (f"{core!r} at {where}: {type(module).__name__} normalizes each channel (or group of channels) on "
+            "its own, so it computes on a rank's channels as they come: use colwise(), which shards its "
+            "channels, between a column-wise and a row-wise convolution.")
+
+
 # (built-in, module kind) -> its row; the first kind the module is an instance of applies.
 TABLE = {
     "colwise": ((nn.Linear, colwise_linear), (nn.Embedding, colwise_embedding),
-                (nn.MultiheadAttention, colwise_attention), (Conv1D, colwise_conv1d)),
-    "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding), (Conv1D, rowwise_conv1d)),
+                (nn.MultiheadAttention, colwise_attention), (Conv1D, colwise_conv1d),
+                *((k, colwise_conv) for k in (*_CONVS, *_TRANSPOSED)),
+                *((k, colwise_channels) for k in (*_BATCH_NORMS, nn.GroupNorm))),
+    "rowwise": ((nn.Linear, rowwise_linear), (nn.Embedding, rowwise_embedding), (Conv1D, rowwise_conv1d),
+                *((k, rowwise_conv) for k in (*_CONVS, *_TRANSPOSED)),
+                *((k, rowwise_channels) for k in (*_BATCH_NORMS, nn.GroupNorm))),
     "sequence_parallel": ((nn.Module, sequence_parallel_any),),
 }
+
+
+def _label(kind: type) -> str:
+    """How a refusal names a module kind of the table (a family of 1-, 2- and 3-D kinds as one)."""
+    family = next((f for f in (_CONVS, _TRANSPOSED, _BATCH_NORMS) if kind in f), None)
+    if family is not None:
+        return f"nn.{family[0].__name__[:-2]}1d/2d/3d"
+    return getattr(kind, "label", f"nn.{kind.__name__}")
 
 
 def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()):
@@ -394,7 +528,7 @@ def meaning(core, module: nn.Module, where: str, owned: tuple, kinds: tuple = ()
     for kind, row in TABLE[core.kind]:
         if isinstance(module, kind):
             return row(core, module, where, owned)
-    *most, last = (getattr(kind, "label", f"nn.{kind.__name__}") for kind, _ in TABLE[core.kind])
+    *most, last = dict.fromkeys(_label(kind) for kind, _ in TABLE[core.kind])
     kinds = f"{', '.join(most)} and {last}" if most else last
     wraps = isinstance(getattr(module, "base_layer", None), nn.Module)  # PEFT's LoRA layers, say
     return f"{core!r} at {where}: it shards {kinds}, not {type(module).__name__}" + (

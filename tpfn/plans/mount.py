@@ -224,6 +224,8 @@ def local_sizes(mount: Mount, module: nn.Module, n: int) -> tuple:
     attributes hold in ``module``'s forward on ``n`` ranks, read now, and why ``n`` ranks cannot
     hold some (its per-head inputs' heads included)."""
     values, found = [], []
+    if mount.row is not None and mount.row.fits is not None and mount.row.fits(module, n):
+        return (), []  # the row's own refusal says why (a built-in's groups, say)
     for path, rule in mount.sizes:
         value, d = _held(module, path), rule.divisor(n)
         if d is None:

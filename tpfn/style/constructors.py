@@ -54,10 +54,18 @@ def _heads(heads, parts):
 
 
 def colwise(*, parts: int | tuple = 1, heads: int | None = None, local: bool | None = None) -> Style:
-    """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (its output features).
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` column-wise (its output features); a
+    convolution on its output channels; a norm between convolutions on its channels.
 
     - ``nn.Linear``: ``weight`` and ``bias`` become ``Shard(0)`` (output features).
     - ``nn.Embedding``: ``weight`` becomes ``Shard(1)`` (the embedding dim).
+    - ``nn.Conv1d/2d/3d``: ``weight`` ``(out, in, *kernel)`` and ``bias`` become ``Shard(0)``,
+      output 0 ``Shard(1)`` (channels); ``nn.ConvTranspose*`` alike (its weight is ``(in, out,
+      *kernel)``: ``Shard(1)``). A grouped or depthwise one (``groups > 1``) computes on whole
+      groups: input 0 ``Shard(1)`` too, ``groups`` per rank.
+    - ``nn.BatchNorm1d/2d/3d``, ``nn.GroupNorm``: on each rank's channels, ``Shard(1)`` in and
+      out, ``weight``, ``bias`` and the running statistics ``Shard(0)`` (a GroupNorm's
+      ``num_groups`` per rank).
     - Input 0 is desired ``Replicate()``; a plain tensor is taken to be replicated, a DTensor
       is redistributed. The backward all-reduces the input's gradient.
     - Output 0 is ``Shard(-1)``, handed on as a local tensor (``local=False``: a DTensor).
@@ -80,6 +88,10 @@ def colwise(*, parts: int | tuple = 1, heads: int | None = None, local: bool | N
     (colwise(parts=(64, 16, 16)), colwise(heads=8))
     >>> prepare_in(Shard(1)) >> colwise() >> prepare_out(Replicate())
     prepare_in(Shard(dim=1)) >> colwise() >> prepare_out(Replicate())
+    >>> import torch.nn as nn, tpfn
+    >>> conv = tpfn.resolve(colwise(), nn.Conv2d(3, 8, 3))[0]
+    >>> conv.params, conv.shards.output
+    ((('bias', Shard(dim=0)), ('weight', Shard(dim=0))), Shard(dim=1))
     """
     parts = _parts(parts)
     return Style((Core("colwise", parts=parts, local=_local(local), heads=_heads(heads, parts)),))
@@ -92,6 +104,10 @@ def rowwise(*, parts: int | tuple = 1, local: bool | None = None) -> Style:
       Input 0 is desired ``Shard(-1)``; a plain tensor is taken to be sharded so.
     - ``nn.Embedding``: ``weight`` becomes ``Shard(0)`` (vocabulary). Input 0, the token ids,
       is desired ``Replicate()`` (PyTorch assumes ``Shard(-1)`` here unless told otherwise).
+    - ``nn.Conv1d/2d/3d``: ``weight`` ``(out, in, *kernel)`` becomes ``Shard(1)`` (input
+      channels), ``bias`` ``Replicate()``; input 0 is desired ``Shard(1)`` (``nn.ConvTranspose*``:
+      its weight ``(in, out, *kernel)`` ``Shard(0)``). A grouped convolution is refused:
+      ``colwise()`` shards its groups.
     - The computation leaves partial sums, ``Partial()``, reduced to output 0 as
       ``Replicate()`` by an all-reduce (``>> prepare_out(Shard(1))``: one reduce-scatter),
       handed on as a local tensor (``local=False``: a DTensor).
@@ -103,6 +119,9 @@ def rowwise(*, parts: int | tuple = 1, local: bool | None = None) -> Style:
 
     >>> rowwise() >> prepare_out(Shard(1))
     rowwise() >> prepare_out(Shard(dim=1))
+    >>> import torch.nn as nn, tpfn
+    >>> tpfn.resolve(rowwise(), nn.Conv1d(8, 4, 3))[0].params
+    (('bias', Replicate()), ('weight', Shard(dim=1)))
     """
     return Style((Core("rowwise", parts=_parts(parts), local=_local(local)),))
 

@@ -107,7 +107,7 @@ def standalone(model, flow, used: set, n: int, loss_parallel: bool, outputs: set
     for call in flow.calls:
         if call.kind == "attention":
             attentions += [] if call.fqn in attentions else [call.fqn]
-        elif call.fqn not in used:
+        elif call.fqn not in used and call.kind in _OPTIONS:  # (a convolution alone stays whole: unseen says why)
             calls.setdefault(call.fqn, []).append(call)
     tied: dict = {}
     for fqn in calls:
@@ -210,8 +210,8 @@ def sequence_parallel(groups: list, flow, n: int, machine=None, weight=lambda fq
     says which costs less, with the figures. Suggest writes no sequence-parallel plan.
     ``weight``: how many modules of the whole model each of ``flow``'s stands for."""
     exits = {f for g in groups for f in g.exits}
-    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and len(c.out_shape) >= 3
-             for _ in range(weight(c.fqn))]
+    calls = [c for c in flow.calls if c.fqn in exits and c.role == "exit" and c.kind == "linear"
+             and len(c.out_shape) >= 3 for _ in range(weight(c.fqn))]
     if not calls:
         return None
     plain = [(Partial(), Replicate(), c.out_shape, c.itemsize) for c in calls]

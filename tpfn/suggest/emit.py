@@ -81,7 +81,8 @@ def _describe(group, n: int) -> str:
         what = (f"{len(entry.parts)} parts of {entry.parts[0]}" if len(set(entry.parts)) == 1 else
                 f"parts of {', '.join(map(str, entry.parts))}" if entry.parts else
                 f"{heads[0]} heads held by groups of {n // heads[0]} ranks" if entry.heads else
-                f"{heads[0]} heads" if heads else f"{entry.width} features")
+                f"{heads[0]} heads" if heads else
+                f"{entry.width} {'channels' if entry.kind == 'conv' else 'features'}")
         makers.setdefault(f"{_layers(_short(fqn, parent))} ({what})", None)
     exits = ", ".join(dict.fromkeys(_layers(_short(f, parent)) for f in group.exits))
     makers = list(makers)
@@ -90,7 +91,9 @@ def _describe(group, n: int) -> str:
         where = ", ".join(sorted({repr(generalize(w)) for w in group.random}))
         random = (f"; dropout in {where} draws the same mask on every rank's features (in training, "
                   "tpfn.rng.sharded draws one per rank: docs/training.md)")
-    return (f"over {n} ranks: {', '.join(makers)} column-wise; {exits} row-wise, "
+    channels = ", ".join(dict.fromkeys(_layers(_short(f, parent)) for f in group.channels))
+    channels = f"; {channels} on each rank's channels" if channels else ""
+    return (f"over {n} ranks: {', '.join(makers)} column-wise{channels}; {exits} row-wise, "
             f"{'one all-reduce each' if len(group.exits) > 1 else 'one all-reduce'}{random}")
 
 
@@ -112,6 +115,8 @@ def assemble(model, flow, groups: list, choices: list, refused: list, n: int, ex
             styles[fqn] = maker(entry)
         for fqn in group.exits:
             styles[fqn] = rowwise()
+        for fqn in group.channels:
+            styles[fqn] = colwise()
         first = min(group.entries)
         for parent, names in group.parents:
             styles.setdefault(parent, _replicas(names, flow.firsts.get(parent)))

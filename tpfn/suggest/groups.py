@@ -49,11 +49,12 @@ class Group:
     parents: tuple = ()  # ((parent, the inputs several makers read), ...)
     inputs: tuple = ()   # ((module, input name, heads), ...): inputs laid out per head
     random: tuple = ()   # modules where random numbers (dropout) meet its features
+    channels: tuple = ()  # modules on its features' channels (norms, depthwise convolutions): colwise()
 
     @property
     def modules(self) -> set:
         """Every module the group's rules bind."""
-        return {*self.entries, *self.exits, *self.partial, *(p for p, _ in self.parents)}
+        return {*self.entries, *self.exits, *self.partial, *(p for p, _ in self.parents), *self.channels}
 
 
 def _units(spaces, s: int) -> set:
@@ -109,7 +110,8 @@ def decide(flow, n: int) -> tuple:
             continue
         chosen.append(Group(entries, tuple(exits), heads, {k: tuple(v) for k, v in partial.items()},
                             _shared(entries, flow), tuple(sorted(spaces.inputs.get(root, ()))),
-                            tuple(sorted(spaces.random.get(root, ())))))
+                            tuple(sorted(spaces.random.get(root, ()))),
+                            tuple(sorted({f for f, _ in spaces.channels.get(root, ())}))))
     return chosen, refused
 
 
@@ -154,6 +156,13 @@ def _problem(spaces, members: list, exits: list, roles: dict, n: int) -> str | N
                    if {"entry", "exit"} <= roles.get(f, set()))
     if mixed:
         return f"{mixed[0]!r} both makes and contracts sharded features"
+    on = spaces.channels.get(spaces.find(members[0]), set())
+    for fqn, groups in sorted(on, key=str):
+        if len(roles.get(fqn, ())) > 1:
+            return f"{fqn!r} computes on sharded channels in one call and on whole ones in another"
+        if groups is not None and groups % n:
+            return (f"{n} ranks do not split {fqn!r}'s {groups} groups of channels into whole groups "
+                    "(each rank computes whole groups)")
     even, few = [], []
     for s in members:
         space = spaces.spaces[s]

@@ -46,7 +46,7 @@ from tpfn.plans.mount import try_mount
 from tpfn.plans.refusals import split_heads
 from tpfn.layout import Shard
 from tpfn.plans.plan import Plan, resolve
-from tpfn.style.constructors import rowwise
+from tpfn.style.constructors import colwise, rowwise
 from tpfn.suggest.channels import Block, blocks as channel_blocks
 from tpfn.suggest.choose import Choice, sequence_parallel, standalone
 from tpfn.suggest.emit import assemble, brief, general, maker
@@ -203,7 +203,7 @@ def _derive(meta: nn.Module, n: int, args: tuple, kwargs: dict, loss_parallel: b
                 if r.why == _REACHES_OUTPUT:
                     outputs.update(r.makers)
                 excluded.update({f: r.why for f in r.makers if f not in excluded})
-                if r.exits or r.why != _REACHES_OUTPUT and any(k == "linear" for k in r.kinds):
+                if r.exits or r.why != _REACHES_OUTPUT and any(k in ("linear", "conv") for k in r.kinds):
                     pairs.setdefault(r.makers, r)
             continue
         used = {f for g in groups for f in (*g.entries, *g.exits)} | {f for b in live.values() for f in b.members}
@@ -400,7 +400,8 @@ def _unmountable(model: nn.Module, groups: list, n: int) -> list:
     modules = dict(model.named_modules())
     found = []
     for group in groups:
-        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise())}
+        styles = {**{f: maker(e) for f, e in group.entries.items()}, **dict.fromkeys(group.exits, rowwise()),
+                  **dict.fromkeys(group.channels, colwise())}
         mounts = {fqn: try_mount(style, modules[fqn], fqn, (), ()) for fqn, style in styles.items()}
         problems = [p for m in mounts.values() if isinstance(m, list) for p in m] or split_heads(
             modules, list(mounts.values()), n)

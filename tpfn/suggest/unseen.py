@@ -1,11 +1,12 @@
 """Why the modules suggest does not shard stay whole: a note on each that holds a share of the
 parameter bytes worth naming.
 
-Suggest shards linears, embeddings, ``nn.MultiheadAttention`` and transformers' fused experts.
+Suggest shards linears, embeddings, convolutions (and the norms on their channels),
+``nn.MultiheadAttention`` and transformers' fused experts.
 Any other module whose own parameters hold at least ``SHARE`` of the model's parameter bytes,
 and that no rule binds, gets a note that says why it is whole: a recurrent layer needs the
-whole hidden state of the step before at every step; a convolution's channels are not sharded
-by suggest; other parameters are read by ops directly (a
+whole hidden state of the step before at every step; a grouped convolution shards its channels
+only between the two halves of a pair; other parameters are read by ops directly (a
 position table added to the input), which no rule shards. Norms (a few bytes each) go unnamed.
 
 >>> import torch.nn as nn
@@ -39,8 +40,13 @@ def _why(module: nn.Module) -> str:
     if isinstance(module, _RECURRENT):
         return (f"a recurrent layer ({type(module).__name__}): each step needs the whole hidden state of "
                 "the step before, which no shard of its weights computes")
+    if isinstance(module, _CONVOLUTIONS) and module.groups > 1:
+        return (f"a grouped convolution ({type(module).__name__}, groups={module.groups}) computes on its "
+                "channels as they come: it shards them only between a column-wise convolution that makes "
+                "them and one that contracts them, and here it is handed them whole")
     if isinstance(module, _CONVOLUTIONS):
-        return f"a convolution ({type(module).__name__}): suggest shards no convolution's channels"
+        return (f"a convolution ({type(module).__name__}) whose channels form no pair with another "
+                "convolution (or a linear) that contracts them")
     names = ", ".join(n for n, _ in module.named_parameters(recurse=False))
     return (f"its parameters ({names}) are read by ops directly, not through a linear, an embedding or "
             "nn.MultiheadAttention, and no rule shards them")
