@@ -115,8 +115,8 @@ def reference(call: Call):
         _views(rt, saved)
         if rt.tokens:  # invariant mode: per chunk of the sequence (tpfn.interpret.invariant)
             output = by_tokens(call, args, kwargs, saved, forward, rt.tree)
-        else:  # its own forward, or its row's
-            output = (forward or Call.own)(call, *args, **kwargs)
+        else:
+            output = rt.forward(*args, **kwargs) if forward is None else forward(call, *args, **kwargs)
     finally:
         for table, name, param in reversed(saved):
             table[name] = param
